@@ -1,0 +1,161 @@
+"""Stock megatron ``dist_checkpointing`` (torch_dist) save and load for the GPT example.
+
+The directory layout is Megatron-LM's (:mod:`megatron_diffckpt.checkpoint_layout`).
+A checkpoint holds the model, the optimizer (``dp_reshardable`` for the distributed optimizer),
+the LR scheduler, the iteration, the consumed samples, and the RNG states (Python, NumPy, torch
+CPU, the device generator and megatron's tensor-parallel tracker), per (PP, TP) rank. The data
+parallel ranks hold identical RNG states (their seeds do not depend on the DP rank), so DP rank 0
+saves them for all: that keeps the checkpoint loadable under another DP size.
+
+Collective rule: every method of :class:`Checkpointer` is called by all ranks together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+from megatron_diffckpt.checkpoint_layout import (
+    checkpoint_dir,
+    find_latest_iteration,
+    publish_iteration,
+)
+
+logger = logging.getLogger("pretrain_gpt")
+
+# The distributed optimizer's format: fully parallel save and load, reshardable along DP.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _rng_state() -> dict:
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if state["cuda_rng_state"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _sharded_rng_state() -> ShardedObject:
+    pp = parallel_state.get_pipeline_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    return ShardedObject(
+        "rng_state",
+        _rng_state(),
+        (parallel_state.get_pipeline_model_parallel_world_size(),
+         parallel_state.get_tensor_model_parallel_world_size()),
+        (pp, tp),
+        replica_id=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def _sharded_state_dict(model, optimizer, scheduler, iteration: int, consumed: int,
+                        is_loading: bool) -> dict:
+    # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
+    # them without: save and load through the wrapped module.
+    model_sd = model.module.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        ),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": _sharded_rng_state(),
+        "iteration": iteration,
+        "consumed_train_samples": consumed,
+        "checkpoint_version": 3.0,
+    }
+
+
+class Checkpointer:
+    """Saves and loads the example's state; owns the async-save queue."""
+
+    def __init__(self, save_dir: str | None, async_save: bool):
+        self.save_dir = save_dir
+        self.async_save = async_save
+        self._queue = AsyncCallsQueue() if async_save else None
+
+    def save(self, model, optimizer, scheduler, iteration: int, consumed: int) -> float:
+        """Save a checkpoint of ``iteration``. All ranks, collectively.
+
+        Returns the seconds training was blocked. Synchronous: the checkpoint is complete and the
+        tracker points at it on return. Asynchronous: the tensors are staged on return; the
+        tracker moves forward in :meth:`finalize` once every rank has written its part.
+        """
+        start = time.perf_counter()
+        ckpt = checkpoint_dir(self.save_dir, iteration)
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(ckpt, exist_ok=True)
+        torch.distributed.barrier()
+        state = _sharded_state_dict(model, optimizer, scheduler, iteration, consumed, False)
+        request = dist_checkpointing.save(
+            state, ckpt, async_sharded_save=self.async_save,
+            content_metadata=OPTIMIZER_METADATA,
+        )
+
+        def publish():
+            if torch.distributed.get_rank() == 0:
+                publish_iteration(self.save_dir, iteration)
+            logger.info("saved checkpoint from iteration %d to %s", iteration, self.save_dir)
+
+        if request is None:
+            torch.distributed.barrier()
+            publish()
+        else:
+            request.add_finalize_fn(publish)
+            self._queue.schedule_async_request(request)
+        return time.perf_counter() - start
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Publish finished async saves. All ranks, collectively (each call is a collective)."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        """Wait for every pending save and publish it. All ranks, collectively."""
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._queue.close()
+            self._queue = None
+
+    @staticmethod
+    def load(load_dir: str, model, optimizer, scheduler) -> tuple[int, int]:
+        """Load the newest complete checkpoint of ``load_dir``. All ranks, collectively.
+
+        Returns ``(iteration, consumed_train_samples)``.
+        """
+        iteration = find_latest_iteration(load_dir)
+        ckpt = checkpoint_dir(load_dir, iteration)
+        start = time.perf_counter()
+        template = _sharded_state_dict(model, optimizer, scheduler, 0, 0, True)
+        state = dist_checkpointing.load(template, ckpt)
+        model.module.load_state_dict(state["model"])
+        with torch.no_grad():  # the fp32 dp_reshardable optimizer state is copied in place
+            optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+        _set_rng_state(state["rng_state"])
+        if state["iteration"] != iteration:
+            raise RuntimeError(f"{ckpt} holds iteration {state['iteration']}, not {iteration}")
+        logger.info(
+            "loaded checkpoint from %s at iteration %d in %.3f s",
+            load_dir, iteration, time.perf_counter() - start,
+        )
+        return iteration, int(state["consumed_train_samples"])

@@ -1,0 +1,365 @@
+"""GPT pretraining on megatron-core, with Megatron-LM's flags, on GPUs or on CPU processes.
+
+Launch with torchrun (see ``run_local.sh``)::
+
+    torchrun --nproc-per-node 2 examples/gpt/pretrain_gpt.py --train-iters 50 \\
+        --save /tmp/ckpt --save-interval 10
+
+It builds megatron's GPTModel (the transformer-engine layer spec when that package imports, the
+local spec otherwise), wraps it in megatron DDP, uses megatron's optimizer (the distributed
+optimizer with ``--use-distributed-optimizer``) and a Megatron-style LR schedule, runs the
+forward/backward schedule from ``get_forward_backward_func`` (1F1B when PP > 1), and saves and
+loads stock ``dist_checkpointing`` checkpoints (model, optimizer, scheduler, RNG, iteration,
+data position), so a stopped and resumed run continues bit-exactly.
+
+Without CUDA (or with ``--cpu``) it runs on CPU processes with gloo through
+:mod:`megatron_diffckpt.cpu_mode`, which must be applied before megatron is imported: that is why
+the imports of megatron below sit inside functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from arguments import parse_args  # noqa: E402
+
+logger = logging.getLogger("pretrain_gpt")
+
+# Expected on a machine without transformer-engine/apex, or raised by megatron-core's own calls;
+# none of them is actionable for a user of this example.
+for _message in (
+    ".*Transformer Engine and Apex are not installed.*",
+    ".*Apex is not installed.*",
+    ".*full scope is deprecated.*",
+    ".*is not a leaf Tensor is being accessed.*",
+    ".*torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor|_all_gather_base).*",
+):
+    warnings.filterwarnings("ignore", message=_message)
+
+
+def _use_cpu(args) -> bool:
+    return args.cpu or not torch.cuda.is_available()
+
+
+def initialize(args) -> None:
+    """Process groups, CPU mode when needed, model-parallel groups, seeds. All ranks."""
+    cpu = _use_cpu(args)
+    if cpu:
+        from megatron_diffckpt import cpu_mode
+
+        cpu_mode.enable()
+    if not torch.distributed.is_initialized():
+        if cpu:
+            torch.distributed.init_process_group("gloo")
+        else:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group("nccl")
+    rank = torch.distributed.get_rank()
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank{rank}] %(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    if cpu:
+        logger.info("CPU mode: megatron-core on %d CPU processes with gloo", args.world_size)
+    from megatron_diffckpt.patches import torch_adam_state
+
+    torch_adam_state.apply()  # a no-op with transformer-engine's or apex's Adam
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    # As Megatron-LM's _set_random_seed: a different seed per pipeline stage, the same on every
+    # data-parallel rank; the tracker derives the tensor-parallel seeds from it.
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_model_and_optimizer(args):
+    """GPTModel in megatron DDP, megatron's optimizer and LR scheduler. All ranks."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+
+    from data import VOCAB_SIZE
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        use_cpu_initialization=_use_cpu(args),
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(),
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )
+    if not _use_cpu(args):
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=dtype,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        [model],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters > 0 else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant",
+    )
+    # Megatron-LM's wiring of gradient reduction into the schedule: without
+    # finalize_model_grads_func the gradients are never reduced across data-parallel ranks.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = model.start_grad_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, scheduler
+
+
+def _layer_spec():
+    try:
+        import transformer_engine  # noqa: F401
+
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    except ImportError:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec()
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of one micro-batch; reports it averaged over data-parallel ranks."""
+    from megatron.core import parallel_state
+
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
+    reported = loss.detach().clone()
+    torch.distributed.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+    reported /= parallel_state.get_data_parallel_world_size()
+    return loss, {"lm loss": reported}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(
+        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+    )
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def train_step(args, model, optimizer, scheduler, data_iterator, forward_backward):
+    """One iteration: forward/backward over the micro-batches, optimizer step, LR step."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    loss = None
+    if losses:  # last pipeline stage only
+        loss = torch.stack([x["lm loss"] for x in losses]).mean()
+    return loss, grad_norm, not update_successful
+
+
+def _broadcast_loss(loss: torch.Tensor | None) -> float:
+    """The iteration's loss on every rank (it is computed on the last pipeline stage)."""
+    from megatron.core import parallel_state
+
+    t = torch.zeros(1, dtype=torch.float64)
+    if loss is not None and parallel_state.get_tensor_model_parallel_rank() == 0 \
+            and parallel_state.get_data_parallel_rank() == 0:
+        t[0] = loss.double()
+    if torch.cuda.is_available() and not torch.distributed.get_backend() == "gloo":
+        t = t.cuda()
+    torch.distributed.all_reduce(t)
+    return float(t.item())
+
+
+def dump_state(path: str, model, optimizer, losses: list[float]) -> None:
+    """Write this rank's parameters, optimizer shard and losses to ``path/rank_<r>.pt``."""
+    os.makedirs(path, exist_ok=True)
+    params = {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()}
+    opt_state = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = inner.optimizer
+        for group in torch_opt.param_groups:
+            for p in group["params"]:
+                st = torch_opt.state.get(p, {})
+                opt_state.append(
+                    {
+                        "main_param": p.detach().cpu().clone(),
+                        **{k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                           for k, v in st.items()},
+                    }
+                )
+    rank = torch.distributed.get_rank()
+    torch.save(
+        {"params": params, "optimizer": opt_state, "losses": losses},
+        os.path.join(path, f"rank_{rank}.pt"),
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    initialize(args)
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from checkpointing import Checkpointer
+    from data import TokenWindows, batch_iterator, load_tokens
+
+    model, optimizer, scheduler = build_model_and_optimizer(args)
+    num_params = sum(p.numel() for p in model.module.parameters())
+    logger.info(
+        "GPT: %d layers, hidden %d, %d heads, seq %d; TP=%d PP=%d DP=%d; "
+        "%d parameters on rank 0; %d micro-batches of %d per iteration",
+        args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        args.data_parallel_size, num_params, args.num_microbatches, args.micro_batch_size,
+    )
+
+    iteration, consumed = 0, 0
+    if args.load is not None:
+        iteration, consumed = Checkpointer.load(args.load, model, optimizer, scheduler)
+    checkpointer = Checkpointer(args.save, args.async_save)
+
+    tokens = load_tokens(args.data_path, args.mock_data, args.seq_length, args.seed)
+    windows = TokenWindows(tokens, args.seq_length, args.seed)
+    data = batch_iterator(
+        windows, consumed, args.micro_batch_size,
+        parallel_state.get_data_parallel_rank(), args.data_parallel_size,
+    )
+    forward_backward = get_forward_backward_func()
+    model.train()
+
+    losses: list[float] = []
+    skipped = 0
+    ckpt_time = 0.0
+    while iteration < args.train_iters:
+        start = time.perf_counter()
+        loss, grad_norm, was_skipped = train_step(
+            args, model, optimizer, scheduler, data, forward_backward
+        )
+        iteration += 1
+        consumed += args.global_batch_size
+        skipped += int(was_skipped)
+        elapsed = time.perf_counter() - start
+        loss_value = _broadcast_loss(loss)
+        losses.append(loss_value)
+        if iteration % args.log_interval == 0:
+            logger.info(
+                " iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): "
+                "%.1f | learning rate: %.6E | global batch size: %5d | lm loss: %.6E | "
+                "grad norm: %.3f | checkpoint time (ms): %.1f | number of skipped iterations: %3d |",
+                iteration, args.train_iters, consumed, elapsed * 1000.0,
+                optimizer.param_groups[0]["lr"], args.global_batch_size, loss_value,
+                float(grad_norm or 0.0), ckpt_time * 1000.0, skipped,
+            )
+            ckpt_time = 0.0
+        checkpointer.finalize()
+        stop = args.exit_interval is not None and iteration % args.exit_interval == 0
+        due = args.save_interval is not None and iteration % args.save_interval == 0
+        if args.save is not None and (due or stop or iteration == args.train_iters):
+            ckpt_time += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+        if stop:
+            logger.info("exiting at iteration %d (--exit-interval %d)", iteration,
+                        args.exit_interval)
+            break
+    checkpointer.close()
+    if args.dump_state:
+        dump_state(args.dump_state, model, optimizer, losses)
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""CPU mode: run real megatron-core on CPU processes with the gloo backend.
+
+megatron-core assumes a GPU in a handful of places (tensor factories with ``device="cuda"``,
+``torch.cuda.current_device()``, the CUDA RNG tracker, ``torch.cuda.synchronize()``, and
+``Tensor.type()`` checks against ``torch.cuda.*Tensor``). This module maps exactly those calls to
+their CPU meaning so that GPTModel, megatron DDP, the DistributedOptimizer, the pipeline schedules
+and ``dist_checkpointing`` run unmodified on a machine without a GPU: the demo and CI use it.
+
+Rules:
+
+- :func:`enable` must run **before megatron is imported** (``dist_checkpointing/mapping.py``
+  captures ``torch.empty`` as a default argument at import time). It raises :class:`CpuModeError`
+  if megatron is already imported, and refuses to act when CUDA is available: the shim must never
+  be active on a GPU machine.
+- It is idempotent, and :func:`disable` restores every patched attribute.
+- Processes that megatron forks (the async-save worker) inherit the patches. A process started
+  with the ``spawn`` method must call :func:`enable` itself before importing megatron.
+
+What "cuda" means in CPU mode: the CPU. Tensors requested on ``cuda`` are created on the CPU;
+the "CUDA RNG state" that megatron's tracker forks for tensor-parallel regions is the CPU default
+generator's state (dropout on CPU draws from that generator, so forking it has the same meaning as
+on a GPU). ``torch.cuda.is_available()`` still returns ``False``.
+
+Every patch below names the megatron-core 0.16 call sites it serves; ``tests/test_drift.py`` keeps
+those call sites honest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CpuModeError", "enable", "disable", "is_enabled", "PATCHED_CALL_SITES"]
+
+
+class CpuModeError(RuntimeError):
+    """CPU mode cannot be applied (a GPU is present, or megatron was imported first)."""
+
+
+@dataclass(frozen=True)
+class _Patch:
+    owner: Any
+    name: str
+    make: Callable[[Any], Any]  # original -> replacement
+    serves: str  # the megatron-core call sites this patch exists for
+
+
+_CPU = torch.device("cpu")
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (``"cuda"``, ``"cuda:0"``, an index, a cuda torch.device) to CPU."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _cpu_factory(original: Callable) -> Callable:
+    """Wrap a tensor factory so that ``device=cuda`` creates a CPU tensor, unpinned."""
+
+    @functools.wraps(original)
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinning needs a CUDA driver
+        return original(*args, **kwargs)
+
+    factory.__diffckpt_cpu_mode__ = True
+    return factory
+
+
+def _tensor_cuda(original: Callable) -> Callable:
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+
+    return cuda
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _tensor_type(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
+def _const(value: Any) -> Callable[[Any], Callable]:
+    def make(original: Callable) -> Callable:
+        def replacement(*args, **kwargs):
+            return value
+
+        return replacement
+
+    return make
+
+
+def _noop(original: Callable) -> Callable:
+    return _const(None)(original)
+
+
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream`` on CPU, where all work is ordered on the host."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self):
+        pass
+
+
+def _cpu_rng_get(original: Callable) -> Callable:
+    def get_rng_state(device: Any = "cuda", *args, **kwargs):
+        return torch.get_rng_state()
+
+    return get_rng_state
+
+
+def _cpu_rng_set(original: Callable) -> Callable:
+    def set_rng_state(new_state: torch.Tensor, device: Any = -1, *args, **kwargs):
+        torch.set_rng_state(new_state)
+
+    return set_rng_state
+
+
+def _cpu_seed(original: Callable) -> Callable:
+    def manual_seed(seed: int):
+        # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, this very function.
+        torch.default_generator.manual_seed(int(seed))
+
+    return manual_seed
+
+
+# Patches on torch itself. They must be in place before megatron is imported.
+_TORCH_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like")
+_TORCH_PATCHES: tuple[_Patch, ...] = (
+    *(
+        _Patch(
+            torch,
+            f,
+            _cpu_factory,
+            'device="cuda" factories: schedules.py (total_num_tokens), optimizer.py (found_inf), '
+            "clip_grads.py, grad_scaler.py, param_and_grad_buffer.py, p2p_communication.py, "
+            "state_dict_saver.py, exchange_utils.py; torch.empty captured by mapping.py",
+        )
+        for f in _TORCH_FACTORIES
+    ),
+    _Patch(
+        torch.cuda,
+        "current_device",
+        _const(_CPU),
+        "utils.py GlobalMemoryBuffer, param_and_grad_buffer.py, p2p_communication.py, "
+        "async_utils.py, distrib_optimizer.py",
+    ),
+    _Patch(
+        torch.cuda, "synchronize", _noop, "p2p_communication.py, filesystem_async.py, async_utils.py"
+    ),
+    _Patch(torch.cuda, "empty_cache", _noop, "optimizer.py, distributed_data_parallel.py"),
+    _Patch(torch.cuda, "set_device", _noop, "async_utils.py persistent async-save worker"),
+    _Patch(torch.cuda, "device_count", _const(1), "async_utils.py persistent async-save worker"),
+    _Patch(torch.cuda, "Stream", lambda original: _CpuStream, "distributed_data_parallel.py"),
+    _Patch(
+        torch.cuda,
+        "stream",
+        lambda original: lambda stream=None: contextlib.nullcontext(),
+        "param_and_grad_buffer.py",
+    ),
+    _Patch(
+        torch.cuda, "default_stream", lambda original: lambda *a, **k: _CpuStream(), "ditto"
+    ),
+    _Patch(
+        torch.cuda, "current_stream", lambda original: lambda *a, **k: _CpuStream(), "ditto"
+    ),
+    _Patch(torch.cuda, "get_rng_state", _cpu_rng_get, "tensor_parallel/random.py tracker.add"),
+    _Patch(torch.cuda, "set_rng_state", _cpu_rng_set, "tensor_parallel/random.py"),
+    _Patch(torch.cuda, "manual_seed", _cpu_seed, "random.py model_parallel_cuda_manual_seed"),
+    _Patch(torch.cuda, "manual_seed_all", _cpu_seed, "random.py"),
+    _Patch(
+        torch.Tensor,
+        "cuda",
+        _tensor_cuda,
+        "optimizer.py, distrib_optimizer.py, exchange_utils.py, grad_scaler.py (.cuda())",
+    ),
+    _Patch(
+        torch.Tensor,
+        "type",
+        _tensor_type,
+        "distrib_optimizer.py, optimizer.py, clip_grads.py (param.type() == 'torch.cuda.*Tensor')",
+    ),
+)
+
+
+def _megatron_patches() -> tuple[_Patch, ...]:
+    """Patches on megatron modules; they are applied after the torch patches, on first import."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    return (
+        _Patch(mcore_random, "_get_cuda_rng_state", _cpu_rng_get, "CudaRNGStatesTracker.fork"),
+        _Patch(mcore_random, "_set_cuda_rng_state", _cpu_rng_set, "tracker.add / tracker.fork"),
+    )
+
+
+class _ForkWarningFilter(logging.Filter):
+    """Drops megatron's "CPU RNG state changed within GPU RNG context" warning.
+
+    In CPU mode the tracker's device generator *is* the CPU generator, so that warning fires on
+    every tensor-parallel weight initialisation and dropout while meaning nothing.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_applied: list[tuple[Any, str, Any]] = []  # (owner, name, original), in application order
+_filter = _ForkWarningFilter()
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+
+
+def is_enabled() -> bool:
+    """Whether CPU mode is active in this process."""
+    return bool(_applied)
+
+
+def _apply(patches: tuple[_Patch, ...]) -> None:
+    for p in patches:
+        original = getattr(p.owner, p.name)
+        setattr(p.owner, p.name, p.make(original))
+        _applied.append((p.owner, p.name, original))
+
+
+def enable() -> None:
+    """Apply the CPU shim in this process. Any rank, before megatron is imported; idempotent.
+
+    Raises:
+        CpuModeError: CUDA is available, or megatron-core was imported before this call.
+    """
+    if is_enabled():
+        return
+    if torch.cuda.is_available():
+        raise CpuModeError(
+            "CPU mode refuses to act on a machine with CUDA: megatron-core runs natively there. "
+            "Drop --cpu (or CUDA_VISIBLE_DEVICES='') to run on the GPU."
+        )
+    if any(m == "megatron.core" or m.startswith("megatron.core.") for m in sys.modules):
+        raise CpuModeError(
+            "megatron.core was imported before megatron_diffckpt.cpu_mode.enable(): some of its "
+            "modules capture torch factories at import time. Call enable() first."
+        )
+    _apply(_TORCH_PATCHES)
+    _apply(_megatron_patches())
+    logging.getLogger(_RNG_LOGGER).addFilter(_filter)
+    logger.debug("CPU mode enabled: %d patches", len(_applied))
+
+
+def disable() -> None:
+    """Restore every attribute :func:`enable` replaced. Any rank; idempotent.
+
+    Megatron objects created while CPU mode was on keep their CPU tensors.
+    """
+    while _applied:
+        owner, name, original = _applied.pop()
+        setattr(owner, name, original)
+    logging.getLogger(_RNG_LOGGER).removeFilter(_filter)
+
+
+def patched_call_sites() -> dict[str, str]:
+    """``{"owner.name": "megatron-core call sites it serves"}`` for every patch."""
+    out = {}
+    for p in (*_TORCH_PATCHES,):
+        out[f"{getattr(p.owner, '__name__', type(p.owner).__name__)}.{p.name}"] = p.serves
+    return out
+
+
+PATCHED_CALL_SITES = patched_call_sites()

@@ -1,0 +1,130 @@
+"""Wrapping a megatron-core method: apply/revert, idempotence and the drift check, once.
+
+A :class:`MethodPatch` replaces ``owner.name`` with a wrapper that calls the original. Before it
+wraps, it checks that the original still has the signature the wrapper was written for; when
+megatron-core drifts it fails loudly instead of wrapping something it does not understand.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# The megatron-core releases the patches were written and tested against. Keep in step with the
+# pin in requirements/cpu.txt (tests/test_drift.py checks both).
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+
+
+class MegatronDriftError(RuntimeError):
+    """The installed megatron-core does not have the function a patch was written for."""
+
+
+def installed_megatron_core_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def signature_of(fn: Callable) -> str:
+    """``inspect.signature`` as text, the form the drift checks compare."""
+    return str(inspect.signature(fn))
+
+
+@dataclass
+class MethodPatch:
+    """Wrap ``module:qualname`` (a function or a class attribute) with ``make_wrapper(original)``.
+
+    Attributes:
+        target: ``"package.module:Class.method"`` or ``"package.module:function"``.
+        expected_signature: ``str(inspect.signature(original))`` as written for.
+        make_wrapper: builds the replacement from the original; it must call the original.
+        purpose: one line for error messages and the README.
+    """
+
+    target: str
+    expected_signature: str
+    make_wrapper: Callable[[Callable], Callable]
+    purpose: str
+    _original: Any = field(default=None, init=False, repr=False)
+
+    def _resolve(self) -> tuple[Any, str]:
+        module_name, qualname = self.target.split(":")
+        owner: Any = importlib.import_module(module_name)
+        *path, name = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return owner, name
+
+    def current(self) -> Callable:
+        owner, name = self._resolve()
+        if not hasattr(owner, name):
+            raise MegatronDriftError(self._drift_message("<missing>"))
+        return inspect.getattr_static(owner, name)
+
+    def check_drift(self) -> None:
+        """Raise :class:`MegatronDriftError` if the unpatched target's signature has changed."""
+        fn = self._original if self._original is not None else self.current()
+        found = signature_of(fn)
+        if found != self.expected_signature:
+            raise MegatronDriftError(self._drift_message(found))
+
+    def _drift_message(self, found: str) -> str:
+        return (
+            f"megatron-core drift at {self.target} ({self.purpose}): expected signature "
+            f"{self.expected_signature}, found {found}. Installed megatron-core "
+            f"{installed_megatron_core_version()}; the patch was tested with "
+            f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}. Install a tested version, or update "
+            f"the patch and its expected signature after checking the new code."
+        )
+
+    @property
+    def applied(self) -> bool:
+        return self._original is not None
+
+    def apply(self) -> None:
+        """Wrap the target. Any rank; idempotent."""
+        if self.applied:
+            return
+        self.check_drift()
+        owner, name = self._resolve()
+        original = inspect.getattr_static(owner, name)
+        wrapper = self.make_wrapper(original)
+        wrapper.__wrapped__ = original
+        setattr(owner, name, wrapper)
+        self._original = original
+
+    def revert(self) -> None:
+        """Restore the original. Any rank; idempotent."""
+        if not self.applied:
+            return
+        owner, name = self._resolve()
+        setattr(owner, name, self._original)
+        self._original = None
+
+
+@dataclass
+class PatchSet:
+    """The patches of one hook point, applied, reverted and checked together."""
+
+    patches: tuple[MethodPatch, ...]
+
+    def apply(self) -> None:
+        """Apply every patch. Any rank; idempotent; nothing is applied if one has drifted."""
+        for p in self.patches:
+            p.check_drift()
+        for p in self.patches:
+            p.apply()
+
+    def revert(self) -> None:
+        """Revert every patch. Any rank; idempotent."""
+        for p in reversed(self.patches):
+            p.revert()
+
+    def check_drift(self) -> None:
+        for p in self.patches:
+            p.check_drift()
