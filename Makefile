@@ -1,0 +1,35 @@
+# Set-up and the two entry points of the README. Everything installs into .venv/ from the
+# project's own files; re-running is cheap (the venv is rebuilt only when a requirements file or
+# pyproject.toml changes).
+
+PYTHON ?= python3
+VENV   := .venv
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test lint clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements/cpu.txt requirements/test.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 needed, found " + sys.version.split()[0]'
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -r requirements/test.txt
+	$(VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+# The main job: tiny GPT on 2 CPU processes, stock checkpoint, stop, resume, finish.
+demo: $(STAMP)
+	bash examples/gpt/demo.sh
+
+# The test suite (what .ci/run runs).
+test: $(STAMP)
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests
+	$(VENV)/bin/python -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests
+	$(VENV)/bin/ruff format --check megatron_diffckpt examples tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

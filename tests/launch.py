@@ -1,0 +1,61 @@
+"""Start the GPT example as real processes (torchrun, gloo) and read back what it wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
+# A distributed run that hangs (an async-save worker error shows up as a hang) must fail the test.
+RUN_TIMEOUT_S = 300
+
+# A tiny GPT that still exercises dropout (RNG state), tied embeddings and several buckets.
+TINY_GPT = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--lr-warmup-iters", "2", "--log-interval", "1",
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_gpt(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``pretrain_gpt.py`` on ``nproc`` CPU processes; output captured, bounded in time."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", str(PRETRAIN_GPT), *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- output tail ---\n"
+            + (proc.stdout + proc.stderr)[-6000:]
+        )
+    return proc
+
+
+def run_script(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:
+    """Run ``pretrain_gpt.py`` as a plain process (argument errors happen before any rank starts)."""
+    env = _env()
+    env["WORLD_SIZE"] = str(world_size)
+    return subprocess.run(
+        [sys.executable, str(PRETRAIN_GPT), *args], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+
+
+def load_dumps(path: Path, nproc: int) -> list[dict]:
+    """The per-rank states that ``--dump-state`` wrote."""
+    return [torch.load(path / f"rank_{r}.pt", weights_only=True) for r in range(nproc)]
