@@ -38,7 +38,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpuModeError", "enable", "disable", "is_enabled", "PATCHED_CALL_SITES"]
+__all__ = ["CpuModeError", "enable", "disable", "is_enabled", "check_drift"]
 
 
 class CpuModeError(RuntimeError):
@@ -199,10 +199,16 @@ _TORCH_PATCHES: tuple[_Patch, ...] = (
         "param_and_grad_buffer.py",
     ),
     _Patch(
-        torch.cuda, "default_stream", lambda original: lambda *a, **k: _CpuStream(), "ditto"
+        torch.cuda,
+        "default_stream",
+        lambda original: lambda *a, **k: _CpuStream(),
+        "param_and_grad_buffer.py (communication_stream.wait_stream)",
     ),
     _Patch(
-        torch.cuda, "current_stream", lambda original: lambda *a, **k: _CpuStream(), "ditto"
+        torch.cuda,
+        "current_stream",
+        lambda original: lambda *a, **k: _CpuStream(),
+        "fine_grained_activation_offload.py, utils.py",
     ),
     _Patch(torch.cuda, "get_rng_state", _cpu_rng_get, "tensor_parallel/random.py tracker.add"),
     _Patch(torch.cuda, "set_rng_state", _cpu_rng_set, "tensor_parallel/random.py"),
@@ -223,13 +229,30 @@ _TORCH_PATCHES: tuple[_Patch, ...] = (
 )
 
 
-def _megatron_patches() -> tuple[_Patch, ...]:
-    """Patches on megatron modules; they are applied after the torch patches, on first import."""
-    from megatron.core.tensor_parallel import random as mcore_random
+_MCORE_RANDOM = "megatron.core.tensor_parallel.random"
 
-    return (
-        _Patch(mcore_random, "_get_cuda_rng_state", _cpu_rng_get, "CudaRNGStatesTracker.fork"),
-        _Patch(mcore_random, "_set_cuda_rng_state", _cpu_rng_set, "tracker.add / tracker.fork"),
+
+def _megatron_patches():
+    """Patches on megatron modules, applied after the torch patches (this imports megatron)."""
+    from megatron_diffckpt.patches.base import MethodPatch, PatchSet
+
+    return PatchSet(
+        (
+            MethodPatch(
+                target=f"{_MCORE_RANDOM}:_get_cuda_rng_state",
+                expected_signature="(device: Union[int, str, torch.device] = 'cuda', "
+                "clone: bool = False, graph_safe: bool = False) -> torch.Tensor",
+                make_wrapper=_cpu_rng_get,
+                purpose="read the device RNG state in CudaRNGStatesTracker.fork (CPU mode)",
+            ),
+            MethodPatch(
+                target=f"{_MCORE_RANDOM}:_set_cuda_rng_state",
+                expected_signature="(new_state: torch.Tensor, device: int = -1, "
+                "graph_safe: bool = False)",
+                make_wrapper=_cpu_rng_set,
+                purpose="set the device RNG state in CudaRNGStatesTracker.add/fork (CPU mode)",
+            ),
+        )
     )
 
 
@@ -244,9 +267,9 @@ class _ForkWarningFilter(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
-_applied: list[tuple[Any, str, Any]] = []  # (owner, name, original), in application order
+_applied: list[tuple[Any, str, Any]] = []  # torch patches: (owner, name, original), in order
+_megatron_applied: list = []  # the PatchSet applied on megatron modules, while enabled
 _filter = _ForkWarningFilter()
-_RNG_LOGGER = "megatron.core.tensor_parallel.random"
 
 
 def is_enabled() -> bool:
@@ -272,16 +295,22 @@ def enable() -> None:
     if torch.cuda.is_available():
         raise CpuModeError(
             "CPU mode refuses to act on a machine with CUDA: megatron-core runs natively there. "
-            "Drop --cpu (or CUDA_VISIBLE_DEVICES='') to run on the GPU."
+            "Drop --cpu to run on the GPU, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to force CPU."
         )
     if any(m == "megatron.core" or m.startswith("megatron.core.") for m in sys.modules):
         raise CpuModeError(
             "megatron.core was imported before megatron_diffckpt.cpu_mode.enable(): some of its "
             "modules capture torch factories at import time. Call enable() first."
         )
+    megatron_patches = _megatron_patches()
     _apply(_TORCH_PATCHES)
-    _apply(_megatron_patches())
-    logging.getLogger(_RNG_LOGGER).addFilter(_filter)
+    try:
+        megatron_patches.apply()
+    except Exception:
+        disable()
+        raise
+    _megatron_applied.append(megatron_patches)
+    logging.getLogger(_MCORE_RANDOM).addFilter(_filter)
     logger.debug("CPU mode enabled: %d patches", len(_applied))
 
 
@@ -290,18 +319,14 @@ def disable() -> None:
 
     Megatron objects created while CPU mode was on keep their CPU tensors.
     """
+    while _megatron_applied:
+        _megatron_applied.pop().revert()
     while _applied:
         owner, name, original = _applied.pop()
         setattr(owner, name, original)
-    logging.getLogger(_RNG_LOGGER).removeFilter(_filter)
+    logging.getLogger(_MCORE_RANDOM).removeFilter(_filter)
 
 
-def patched_call_sites() -> dict[str, str]:
-    """``{"owner.name": "megatron-core call sites it serves"}`` for every patch."""
-    out = {}
-    for p in (*_TORCH_PATCHES,):
-        out[f"{getattr(p.owner, '__name__', type(p.owner).__name__)}.{p.name}"] = p.serves
-    return out
-
-
-PATCHED_CALL_SITES = patched_call_sites()
+def check_drift() -> None:
+    """Check the megatron-core functions CPU mode replaces. Any process; imports megatron."""
+    _megatron_patches().check_drift()

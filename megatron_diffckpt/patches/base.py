@@ -42,41 +42,58 @@ class MethodPatch:
     Attributes:
         target: ``"package.module:Class.method"`` or ``"package.module:function"``.
         expected_signature: ``str(inspect.signature(original))`` as written for.
-        make_wrapper: builds the replacement from the original; it must call the original.
+        make_wrapper: builds the replacement from the original (a wrapper that calls it, or, in
+            CPU mode only, a CPU implementation of a CUDA-only helper).
         purpose: one line for error messages and the README.
+        requires: other megatron-core functions the replacement calls, as
+            ``(target, expected_signature)`` pairs; they are drift-checked too.
     """
 
     target: str
     expected_signature: str
     make_wrapper: Callable[[Callable], Callable]
     purpose: str
+    requires: tuple[tuple[str, str], ...] = ()
     _original: Any = field(default=None, init=False, repr=False)
 
-    def _resolve(self) -> tuple[Any, str]:
-        module_name, qualname = self.target.split(":")
+    @staticmethod
+    def _resolve_target(target: str) -> tuple[Any, str]:
+        module_name, qualname = target.split(":")
         owner: Any = importlib.import_module(module_name)
         *path, name = qualname.split(".")
         for part in path:
             owner = getattr(owner, part)
         return owner, name
 
+    def _resolve(self) -> tuple[Any, str]:
+        return self._resolve_target(self.target)
+
     def current(self) -> Callable:
         owner, name = self._resolve()
         if not hasattr(owner, name):
-            raise MegatronDriftError(self._drift_message("<missing>"))
+            raise MegatronDriftError(self._drift_message(self.target, self.expected_signature,
+                                                         "<missing>"))
         return inspect.getattr_static(owner, name)
 
     def check_drift(self) -> None:
-        """Raise :class:`MegatronDriftError` if the unpatched target's signature has changed."""
+        """Raise :class:`MegatronDriftError` if a signature this patch relies on has changed."""
         fn = self._original if self._original is not None else self.current()
         found = signature_of(fn)
         if found != self.expected_signature:
-            raise MegatronDriftError(self._drift_message(found))
+            raise MegatronDriftError(
+                self._drift_message(self.target, self.expected_signature, found)
+            )
+        for target, expected in self.requires:
+            owner, name = self._resolve_target(target)
+            found = signature_of(inspect.getattr_static(owner, name)) if hasattr(
+                owner, name) else "<missing>"
+            if found != expected:
+                raise MegatronDriftError(self._drift_message(target, expected, found))
 
-    def _drift_message(self, found: str) -> str:
+    def _drift_message(self, target: str, expected: str, found: str) -> str:
         return (
-            f"megatron-core drift at {self.target} ({self.purpose}): expected signature "
-            f"{self.expected_signature}, found {found}. Installed megatron-core "
+            f"megatron-core drift at {target} (needed to {self.purpose}): expected signature "
+            f"{expected}, found {found}. Installed megatron-core "
             f"{installed_megatron_core_version()}; the patch was tested with "
             f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}. Install a tested version, or update "
             f"the patch and its expected signature after checking the new code."

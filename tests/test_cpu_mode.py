@@ -1,0 +1,122 @@
+"""CPU mode: what it maps, that it is reversible and idempotent, and when it refuses to act.
+
+Each case runs in a fresh interpreter: enable() must come before megatron is imported, and the
+test process itself may have imported megatron already.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from launch import REPO
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )
+    return proc
+
+
+def _ok(code: str) -> str:
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_cuda_calls_map_to_cpu_and_disable_restores_them():
+    out = _ok(
+        """
+        import torch
+        originals = (torch.zeros, torch.cuda.current_device, torch.Tensor.cuda, torch.Tensor.type)
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        cpu_mode.enable()  # idempotent
+        assert cpu_mode.is_enabled()
+        t = torch.zeros(3, device="cuda")
+        assert t.device.type == "cpu", t.device
+        assert torch.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.empty(2, device=torch.cuda.current_device(), pin_memory=True).device.type \\
+            == "cpu"
+        assert t.cuda() is t
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert t.type(torch.float64).dtype == torch.float64  # conversions still convert
+        assert not torch.cuda.is_available()  # CPU mode never pretends a GPU exists
+        torch.cuda.synchronize()
+        # The device RNG is the CPU generator; megatron's tracker forks it.
+        from megatron.core.tensor_parallel import random as mr
+        torch.cuda.manual_seed(7)
+        a = torch.rand(4)
+        torch.cuda.manual_seed(7)
+        assert torch.equal(a, torch.rand(4))
+        state = mr._get_cuda_rng_state()
+        b = torch.rand(4)
+        mr._set_cuda_rng_state(state)
+        assert torch.equal(b, torch.rand(4))
+        cpu_mode.disable()
+        cpu_mode.disable()  # idempotent
+        assert not cpu_mode.is_enabled()
+        now = (torch.zeros, torch.cuda.current_device, torch.Tensor.cuda, torch.Tensor.type)
+        assert all(x is y for x, y in zip(originals, now))
+        assert torch.zeros(1).type() == "torch.FloatTensor"
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
+
+
+def test_megatron_rng_tracker_forks_distinct_streams():
+    out = _ok(
+        """
+        import torch
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        torch.manual_seed(1)
+        tracker = get_cuda_rng_tracker()
+        tracker.add("model-parallel-rng", 1234)
+        outside = torch.get_rng_state()
+        with tracker.fork():
+            inside = torch.rand(3)
+        assert torch.equal(outside, torch.get_rng_state())  # fork restored the default stream
+        with tracker.fork():
+            again = torch.rand(3)
+        assert not torch.equal(inside, again)  # the forked stream advanced
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
+
+
+def test_refuses_after_megatron_was_imported():
+    proc = _run(
+        """
+        import megatron.core
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        """
+    )
+    assert proc.returncode != 0
+    assert "megatron.core was imported before" in proc.stderr
+
+
+def test_refuses_on_a_machine_with_cuda():
+    proc = _run(
+        """
+        import torch
+        torch.cuda.is_available = lambda: True  # what a GPU machine reports
+        from megatron_diffckpt import cpu_mode
+        try:
+            cpu_mode.enable()
+        except cpu_mode.CpuModeError as exc:
+            assert not cpu_mode.is_enabled()
+            assert not hasattr(torch.zeros, "__diffckpt_cpu_mode__")  # nothing was patched
+            print("refused:", exc)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: CPU mode refuses to act on a machine with CUDA" in proc.stdout

@@ -1,0 +1,62 @@
+"""The installed megatron-core matches what every patch and shim was written for.
+
+When this fails after a megatron-core upgrade, the message names the function, the expected and
+found signatures and the tested versions: read the new code, adapt the patch, then update its
+expected signature and TESTED_MEGATRON_CORE_VERSIONS.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from megatron_diffckpt import cpu_mode
+from megatron_diffckpt.patches import ALL_PATCHES, TESTED_MEGATRON_CORE_VERSIONS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _pin(package: str) -> str:
+    text = (REPO / "requirements" / "cpu.txt").read_text()
+    match = re.search(rf"^{re.escape(package)}==(\S+)$", text, re.MULTILINE)
+    assert match, f"requirements/cpu.txt has no exact pin for {package}"
+    return match.group(1)
+
+
+def test_installed_megatron_core_is_the_pinned_and_tested_one():
+    pinned, installed = _pin("megatron-core"), version("megatron-core")
+    assert installed == pinned, (
+        f"megatron-core {installed} is installed but requirements/cpu.txt pins {pinned}: "
+        "run `make venv` (or `pip install -r requirements/cpu.txt`)"
+    )
+    assert pinned in TESTED_MEGATRON_CORE_VERSIONS, (
+        f"requirements/cpu.txt pins megatron-core {pinned}, but the patches were tested with "
+        f"{TESTED_MEGATRON_CORE_VERSIONS}: run the suite against {pinned}, then add it to "
+        "TESTED_MEGATRON_CORE_VERSIONS in megatron_diffckpt/patches/base.py"
+    )
+
+
+def test_installed_torch_is_the_pinned_one():
+    assert version("torch").split("+")[0] == _pin("torch")
+
+
+@pytest.mark.parametrize("module", ALL_PATCHES)
+def test_patch_targets_have_the_expected_signatures(module):
+    importlib.import_module(module).check_drift()
+
+
+def test_cpu_mode_targets_have_the_expected_signatures():
+    cpu_mode.check_drift()
+
+
+def test_every_patch_module_is_listed():
+    found = {
+        f"megatron_diffckpt.patches.{p.stem}"
+        for p in (REPO / "megatron_diffckpt" / "patches").glob("*.py")
+        if p.stem not in ("__init__", "base")
+    }
+    assert found == set(ALL_PATCHES)

@@ -1,0 +1,83 @@
+"""MethodPatch: wrap, revert, idempotence and the drift error, on a stand-in target."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_diffckpt.patches.base import (
+    TESTED_MEGATRON_CORE_VERSIONS,
+    MegatronDriftError,
+    MethodPatch,
+    PatchSet,
+)
+
+
+class Target:
+    def method(self, x, y=1):
+        return x + y
+
+
+def helper(a):
+    return a
+
+
+def _doubling(original):
+    def method(self, x, y=1):
+        return 2 * original(self, x, y)
+
+    return method
+
+
+def _patch(signature="(self, x, y=1)", requires=()):
+    return MethodPatch(
+        target=f"{__name__}:Target.method",
+        expected_signature=signature,
+        make_wrapper=_doubling,
+        purpose="double the result",
+        requires=requires,
+    )
+
+
+def test_apply_wraps_and_revert_restores():
+    original = Target.method
+    p = _patch()
+    p.apply()
+    p.apply()  # idempotent: wrapped once, not twice
+    try:
+        assert Target().method(1) == 4
+        assert Target.method.__wrapped__ is original
+    finally:
+        p.revert()
+    p.revert()
+    assert Target.method is original
+    assert Target().method(1) == 2
+
+
+def test_drift_names_expected_found_and_versions():
+    p = _patch(signature="(self, x)")
+    with pytest.raises(MegatronDriftError) as exc:
+        p.apply()
+    text = str(exc.value)
+    assert "expected signature (self, x), found (self, x, y=1)" in text
+    assert f"{__name__}:Target.method" in text
+    assert all(v in text for v in TESTED_MEGATRON_CORE_VERSIONS)
+    assert not p.applied and Target().method(1) == 2
+
+
+def test_drift_of_a_required_function_is_caught():
+    p = _patch(requires=((f"{__name__}:helper", "(a, b)"),))
+    with pytest.raises(MegatronDriftError, match=r"helper .*expected signature \(a, b\), found \(a\)"):
+        p.check_drift()
+
+
+def test_missing_target_is_drift():
+    p = MethodPatch(f"{__name__}:Target.gone", "(self)", _doubling, "x")
+    with pytest.raises(MegatronDriftError, match="found <missing>"):
+        p.check_drift()
+
+
+def test_patch_set_applies_nothing_when_one_member_drifted():
+    good, bad = _patch(), _patch(signature="(self)")
+    with pytest.raises(MegatronDriftError):
+        PatchSet((good, bad)).apply()
+    assert not good.applied and not bad.applied
