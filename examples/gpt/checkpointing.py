@@ -122,7 +122,12 @@ class Checkpointer:
         else:
             request.add_finalize_fn(publish)
             self._queue.schedule_async_request(request)
-        return time.perf_counter() - start
+        blocked = time.perf_counter() - start
+        logger.info(
+            "%s checkpoint of iteration %d: training blocked %.1f ms",
+            "async" if request is not None else "sync", iteration, blocked * 1000.0,
+        )
+        return blocked
 
     def finalize(self, blocking: bool = False) -> None:
         """Publish finished async saves. All ranks, collectively (each call is a collective)."""

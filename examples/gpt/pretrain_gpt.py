@@ -321,7 +321,8 @@ def main(argv=None) -> int:
 
     losses: list[float] = []
     skipped = 0
-    ckpt_time = 0.0
+    # Accumulated over the log interval, as Megatron-LM reports them.
+    interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
     while iteration < args.train_iters:
         start = time.perf_counter()
         loss, grad_norm, was_skipped = train_step(
@@ -330,24 +331,27 @@ def main(argv=None) -> int:
         iteration += 1
         consumed += args.global_batch_size
         skipped += int(was_skipped)
-        elapsed = time.perf_counter() - start
+        interval["time"] += time.perf_counter() - start
         loss_value = _broadcast_loss(loss)
         losses.append(loss_value)
+        interval["loss"] += loss_value
+        interval["iters"] += 1
         if iteration % args.log_interval == 0:
+            n = interval["iters"]
             logger.info(
                 " iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): "
                 "%.1f | learning rate: %.6E | global batch size: %5d | lm loss: %.6E | "
                 "grad norm: %.3f | checkpoint time (ms): %.1f | number of skipped iterations: %3d |",
-                iteration, args.train_iters, consumed, elapsed * 1000.0,
-                optimizer.param_groups[0]["lr"], args.global_batch_size, loss_value,
-                float(grad_norm or 0.0), ckpt_time * 1000.0, skipped,
+                iteration, args.train_iters, consumed, interval["time"] / n * 1000.0,
+                optimizer.param_groups[0]["lr"], args.global_batch_size, interval["loss"] / n,
+                float(grad_norm or 0.0), interval["ckpt"] * 1000.0, skipped,
             )
-            ckpt_time = 0.0
+            interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
         checkpointer.finalize()
         stop = args.exit_interval is not None and iteration % args.exit_interval == 0
         due = args.save_interval is not None and iteration % args.save_interval == 0
         if args.save is not None and (due or stop or iteration == args.train_iters):
-            ckpt_time += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+            interval["ckpt"] += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
         if stop:
             logger.info("exiting at iteration %d (--exit-interval %d)", iteration,
                         args.exit_interval)
