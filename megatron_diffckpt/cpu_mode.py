@@ -31,8 +31,9 @@ import contextlib
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -165,7 +166,16 @@ def _cpu_seed(original: Callable) -> Callable:
 
 
 # Patches on torch itself. They must be in place before megatron is imported.
-_TORCH_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "empty_like", "zeros_like")
+_TORCH_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "empty_like",
+    "zeros_like",
+)
 _TORCH_PATCHES: tuple[_Patch, ...] = (
     *(
         _Patch(
@@ -186,7 +196,10 @@ _TORCH_PATCHES: tuple[_Patch, ...] = (
         "async_utils.py, distrib_optimizer.py",
     ),
     _Patch(
-        torch.cuda, "synchronize", _noop, "p2p_communication.py, filesystem_async.py, async_utils.py"
+        torch.cuda,
+        "synchronize",
+        _noop,
+        "p2p_communication.py, filesystem_async.py, async_utils.py",
     ),
     _Patch(torch.cuda, "empty_cache", _noop, "optimizer.py, distributed_data_parallel.py"),
     _Patch(torch.cuda, "set_device", _noop, "async_utils.py persistent async-save worker"),

@@ -16,9 +16,24 @@ RUN_TIMEOUT_S = 300
 
 # A tiny GPT that still exercises dropout (RNG state), tied embeddings and several buckets.
 TINY_GPT = (
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "1e-3", "--lr-warmup-iters", "2", "--log-interval", "1",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
 )
 
 
@@ -32,8 +47,13 @@ def _env() -> dict[str, str]:
 def run_gpt(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``pretrain_gpt.py`` on ``nproc`` CPU processes; output captured, bounded in time."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", str(PRETRAIN_GPT), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(PRETRAIN_GPT),
+        *args,
     ]
     proc = subprocess.run(
         cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
@@ -47,12 +67,16 @@ def run_gpt(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedP
 
 
 def run_script(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:
-    """Run ``pretrain_gpt.py`` as a plain process (argument errors happen before any rank starts)."""
+    """Run ``pretrain_gpt.py`` as one plain process: argument errors come before any rank starts."""
     env = _env()
     env["WORLD_SIZE"] = str(world_size)
     return subprocess.run(
-        [sys.executable, str(PRETRAIN_GPT), *args], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        [sys.executable, str(PRETRAIN_GPT), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
     )
 
 

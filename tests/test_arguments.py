@@ -34,8 +34,9 @@ def test_unknown_flag_is_refused_by_the_script():
 
 
 def test_parallel_sizes_checked_by_the_script_against_torchrun_world_size():
-    err = _error(run_script("--train-iters", "2", "--tensor-model-parallel-size", "2",
-                            world_size=3))
+    err = _error(
+        run_script("--train-iters", "2", "--tensor-model-parallel-size", "2", world_size=3)
+    )
     assert "world size 3 is not divisible" in err
 
 
@@ -63,14 +64,18 @@ def test_load_path_with_incomplete_checkpoint(tmp_path):
     assert "names iteration 5" in err and "metadata.json" in err
 
 
-@pytest.mark.parametrize(
-    ("world", "tp", "pp"), [(3, 2, 1), (2, 1, 4), (6, 2, 2)]
-)
+@pytest.mark.parametrize(("world", "tp", "pp"), [(3, 2, 1), (2, 1, 4), (6, 2, 2)])
 def test_parallel_sizes_must_divide_world_size(world, tp, pp):
     err = _error(
         _parse(
-            "--train-iters", "2", "--tensor-model-parallel-size", str(tp),
-            "--pipeline-model-parallel-size", str(pp), "--num-layers", "4",
+            "--train-iters",
+            "2",
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--pipeline-model-parallel-size",
+            str(pp),
+            "--num-layers",
+            "4",
             world_size=world,
         )
     )
@@ -79,16 +84,31 @@ def test_parallel_sizes_must_divide_world_size(world, tp, pp):
 
 def test_global_batch_must_be_a_multiple_of_micro_batch_times_dp():
     err = _error(
-        _parse("--train-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "6",
-                   world_size=2)
+        _parse(
+            "--train-iters",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "6",
+            world_size=2,
+        )
     )
     assert "--global-batch-size 6 is not a multiple of" in err and "= 8" in err
 
 
 def test_valid_flags_derive_the_schedule():
     args = parse_args(
-        ["--train-iters", "10", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--tensor-model-parallel-size", "2"],
+        [
+            "--train-iters",
+            "10",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--tensor-model-parallel-size",
+            "2",
+        ],
         world_size=4,
     )
     assert (args.data_parallel_size, args.num_microbatches) == (2, 2)

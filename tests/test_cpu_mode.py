@@ -15,7 +15,10 @@ from launch import REPO
 
 def _run(code: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     return proc

@@ -18,10 +18,22 @@ TOTAL, STOP = 6, 3
 # distributed optimizer with overlapped reduction and async save; distributed optimizer with sync
 # save; megatron's plain optimizer through the 1F1B pipeline schedule.
 LAYOUTS = {
-    "tp1-pp1-dp2": ("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                    "--use-distributed-optimizer", "--overlap-grad-reduce", "--async-save"),
-    "tp2-pp1-dp1": ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
-                    "--use-distributed-optimizer"),
+    "tp1-pp1-dp2": (
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--async-save",
+    ),
+    "tp2-pp1-dp1": (
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--use-distributed-optimizer",
+    ),
     "tp1-pp2-dp1": ("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"),
 }
 
@@ -44,13 +56,35 @@ def test_stop_and_resume_is_bit_exact(tmp_path, layout):
     common = (*TINY_GPT, *LAYOUTS[layout], "--train-iters", str(TOTAL))
     ckpt = tmp_path / "ckpt"
 
-    run_gpt(2, *common, "--save", str(tmp_path / "straight_ckpt"),
-            "--dump-state", str(tmp_path / "straight"))
-    run_gpt(2, *common, "--save", str(ckpt), "--exit-interval", str(STOP),
-            "--dump-state", str(tmp_path / "first"))
+    run_gpt(
+        2,
+        *common,
+        "--save",
+        str(tmp_path / "straight_ckpt"),
+        "--dump-state",
+        str(tmp_path / "straight"),
+    )
+    run_gpt(
+        2,
+        *common,
+        "--save",
+        str(ckpt),
+        "--exit-interval",
+        str(STOP),
+        "--dump-state",
+        str(tmp_path / "first"),
+    )
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(STOP)
-    resumed = run_gpt(2, *common, "--load", str(ckpt), "--save", str(ckpt),
-                      "--dump-state", str(tmp_path / "second"))
+    resumed = run_gpt(
+        2,
+        *common,
+        "--load",
+        str(ckpt),
+        "--save",
+        str(ckpt),
+        "--dump-state",
+        str(tmp_path / "second"),
+    )
     assert f"at iteration {STOP}" in resumed.stdout + resumed.stderr
 
     straight = load_dumps(tmp_path / "straight", 2)

@@ -19,8 +19,15 @@ ITERS = 3
 @pytest.mark.distributed
 def test_data_parallel_matches_single_process(tmp_path):
     # Dropout off: DP=1 draws the masks of both micro-batches from one stream, DP=2 from two.
-    common = (*TINY_GPT, "--train-iters", str(ITERS), "--hidden-dropout", "0",
-              "--attention-dropout", "0")
+    common = (
+        *TINY_GPT,
+        "--train-iters",
+        str(ITERS),
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+    )
     run_gpt(1, *common, "--dump-state", str(tmp_path / "dp1"))
     run_gpt(2, *common, "--use-distributed-optimizer", "--dump-state", str(tmp_path / "dp2"))
     (single,) = load_dumps(tmp_path / "dp1", 1)

@@ -66,7 +66,9 @@ def test_drift_names_expected_found_and_versions():
 
 def test_drift_of_a_required_function_is_caught():
     p = _patch(requires=((f"{__name__}:helper", "(a, b)"),))
-    with pytest.raises(MegatronDriftError, match=r"helper .*expected signature \(a, b\), found \(a\)"):
+    with pytest.raises(
+        MegatronDriftError, match=r"helper .*expected signature \(a, b\), found \(a\)"
+    ):
         p.check_drift()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_diffckpt.checkpoint_layout import CheckpointNotFoundError, find_latest_iteration
 

@@ -60,15 +60,18 @@ def _sharded_rng_state() -> ShardedObject:
     return ShardedObject(
         "rng_state",
         _rng_state(),
-        (parallel_state.get_pipeline_model_parallel_world_size(),
-         parallel_state.get_tensor_model_parallel_world_size()),
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
         (pp, tp),
         replica_id=parallel_state.get_data_parallel_rank(),
     )
 
 
-def _sharded_state_dict(model, optimizer, scheduler, iteration: int, consumed: int,
-                        is_loading: bool) -> dict:
+def _sharded_state_dict(
+    model, optimizer, scheduler, iteration: int, consumed: int, is_loading: bool
+) -> dict:
     # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
     # them without: save and load through the wrapped module.
     model_sd = model.module.sharded_state_dict()
@@ -107,7 +110,9 @@ class Checkpointer:
         torch.distributed.barrier()
         state = _sharded_state_dict(model, optimizer, scheduler, iteration, consumed, False)
         request = dist_checkpointing.save(
-            state, ckpt, async_sharded_save=self.async_save,
+            state,
+            ckpt,
+            async_sharded_save=self.async_save,
             content_metadata=OPTIMIZER_METADATA,
         )
 
@@ -125,7 +130,9 @@ class Checkpointer:
         blocked = time.perf_counter() - start
         logger.info(
             "%s checkpoint of iteration %d: training blocked %.1f ms",
-            "async" if request is not None else "sync", iteration, blocked * 1000.0,
+            "async" if request is not None else "sync",
+            iteration,
+            blocked * 1000.0,
         )
         return blocked
 
@@ -161,6 +168,8 @@ class Checkpointer:
             raise RuntimeError(f"{ckpt} holds iteration {state['iteration']}, not {iteration}")
         logger.info(
             "loaded checkpoint from %s at iteration %d in %.3f s",
-            load_dir, iteration, time.perf_counter() - start,
+            load_dir,
+            iteration,
+            time.perf_counter() - start,
         )
         return iteration, int(state["consumed_train_samples"])

@@ -13,14 +13,15 @@ the ``r``-th slice.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 VOCAB_SIZE = 256
-DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                              "kjv_genesis_exodus.txt")
+DEFAULT_CORPUS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "data", "kjv_genesis_exodus.txt"
+)
 
 
 class ByteTokenizer:
@@ -90,6 +91,8 @@ def batch_iterator(
             "tokens": rows[:, :-1].contiguous(),
             "labels": rows[:, 1:].contiguous(),
             "loss_mask": torch.ones(micro_batch_size, seq, dtype=torch.float32),
-            "position_ids": torch.arange(seq, dtype=torch.int64).unsqueeze(0).expand(
-                micro_batch_size, seq).contiguous(),
+            "position_ids": torch.arange(seq, dtype=torch.int64)
+            .unsqueeze(0)
+            .expand(micro_batch_size, seq)
+            .contiguous(),
         }

@@ -100,6 +100,7 @@ def initialize(args) -> None:
 
 def build_model_and_optimizer(args):
     """GPTModel in megatron DDP, megatron's optimizer and LR scheduler. All ranks."""
+    from data import VOCAB_SIZE
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -107,8 +108,6 @@ def build_model_and_optimizer(args):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer import TransformerConfig
-
-    from data import VOCAB_SIZE
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     config = TransformerConfig(
@@ -190,7 +189,6 @@ def build_model_and_optimizer(args):
 def _layer_spec():
     try:
         import transformer_engine  # noqa: F401
-
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -252,8 +250,11 @@ def _broadcast_loss(loss: torch.Tensor | None) -> float:
     from megatron.core import parallel_state
 
     t = torch.zeros(1, dtype=torch.float64)
-    if loss is not None and parallel_state.get_tensor_model_parallel_rank() == 0 \
-            and parallel_state.get_data_parallel_rank() == 0:
+    if (
+        loss is not None
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    ):
         t[0] = loss.double()
     if torch.cuda.is_available() and not torch.distributed.get_backend() == "gloo":
         t = t.cuda()
@@ -274,8 +275,10 @@ def dump_state(path: str, model, optimizer, losses: list[float]) -> None:
                 opt_state.append(
                     {
                         "main_param": p.detach().cpu().clone(),
-                        **{k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                           for k, v in st.items()},
+                        **{
+                            k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                            for k, v in st.items()
+                        },
                     }
                 )
     rank = torch.distributed.get_rank()
@@ -289,20 +292,26 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
 
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from checkpointing import Checkpointer
     from data import TokenWindows, batch_iterator, load_tokens
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model, optimizer, scheduler = build_model_and_optimizer(args)
     num_params = sum(p.numel() for p in model.module.parameters())
     logger.info(
         "GPT: %d layers, hidden %d, %d heads, seq %d; TP=%d PP=%d DP=%d; "
         "%d parameters on rank 0; %d micro-batches of %d per iteration",
-        args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        args.data_parallel_size, num_params, args.num_microbatches, args.micro_batch_size,
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.seq_length,
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.data_parallel_size,
+        num_params,
+        args.num_microbatches,
+        args.micro_batch_size,
     )
 
     iteration, consumed = 0, 0
@@ -313,8 +322,11 @@ def main(argv=None) -> int:
     tokens = load_tokens(args.data_path, args.mock_data, args.seq_length, args.seed)
     windows = TokenWindows(tokens, args.seq_length, args.seed)
     data = batch_iterator(
-        windows, consumed, args.micro_batch_size,
-        parallel_state.get_data_parallel_rank(), args.data_parallel_size,
+        windows,
+        consumed,
+        args.micro_batch_size,
+        parallel_state.get_data_parallel_rank(),
+        args.data_parallel_size,
     )
     forward_backward = get_forward_backward_func()
     model.train()
@@ -341,10 +353,18 @@ def main(argv=None) -> int:
             logger.info(
                 " iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): "
                 "%.1f | learning rate: %.6E | global batch size: %5d | lm loss: %.6E | "
-                "grad norm: %.3f | checkpoint time (ms): %.1f | number of skipped iterations: %3d |",
-                iteration, args.train_iters, consumed, interval["time"] / n * 1000.0,
-                optimizer.param_groups[0]["lr"], args.global_batch_size, interval["loss"] / n,
-                float(grad_norm or 0.0), interval["ckpt"] * 1000.0, skipped,
+                "grad norm: %.3f | checkpoint time (ms): %.1f | "
+                "number of skipped iterations: %3d |",
+                iteration,
+                args.train_iters,
+                consumed,
+                interval["time"] / n * 1000.0,
+                optimizer.param_groups[0]["lr"],
+                args.global_batch_size,
+                interval["loss"] / n,
+                float(grad_norm or 0.0),
+                interval["ckpt"] * 1000.0,
+                skipped,
             )
             interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
         checkpointer.finalize()
@@ -353,8 +373,9 @@ def main(argv=None) -> int:
         if args.save is not None and (due or stop or iteration == args.train_iters):
             interval["ckpt"] += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
         if stop:
-            logger.info("exiting at iteration %d (--exit-interval %d)", iteration,
-                        args.exit_interval)
+            logger.info(
+                "exiting at iteration %d (--exit-interval %d)", iteration, args.exit_interval
+            )
             break
     checkpointer.close()
     if args.dump_state:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # The megatron-core releases the patches were written and tested against. Keep in step with the
 # pin in requirements/cpu.txt (tests/test_drift.py checks both).
@@ -71,8 +72,9 @@ class MethodPatch:
     def current(self) -> Callable:
         owner, name = self._resolve()
         if not hasattr(owner, name):
-            raise MegatronDriftError(self._drift_message(self.target, self.expected_signature,
-                                                         "<missing>"))
+            raise MegatronDriftError(
+                self._drift_message(self.target, self.expected_signature, "<missing>")
+            )
         return inspect.getattr_static(owner, name)
 
     def check_drift(self) -> None:
@@ -85,8 +87,11 @@ class MethodPatch:
             )
         for target, expected in self.requires:
             owner, name = self._resolve_target(target)
-            found = signature_of(inspect.getattr_static(owner, name)) if hasattr(
-                owner, name) else "<missing>"
+            found = (
+                signature_of(inspect.getattr_static(owner, name))
+                if hasattr(owner, name)
+                else "<missing>"
+            )
             if found != expected:
                 raise MegatronDriftError(self._drift_message(target, expected, found))
 

@@ -98,8 +98,12 @@ PATCHES = PatchSet(
             expected_signature="(self, model_param, tensors)",
             make_wrapper=_wrap_set_states,
             purpose="load torch AdamW state (per-parameter 'step') into the distributed optimizer",
-            requires=((f"{_DISTRIB_OPTIMIZER}._get_main_param_and_optimizer_states",
-                       "(self, model_param)"),),
+            requires=(
+                (
+                    f"{_DISTRIB_OPTIMIZER}._get_main_param_and_optimizer_states",
+                    "(self, model_param)",
+                ),
+            ),
         ),
         MethodPatch(
             target=f"{_DISTRIB_OPTIMIZER}.load_state_dict",
