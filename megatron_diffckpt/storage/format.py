@@ -1,0 +1,237 @@
+"""The diff log's segment format: a versioned header and raw tensor bytes, never pickle.
+
+A segment holds the differentials of consecutive iterations of one rank, written in one piece and
+published by atomic rename, so a reader never sees a half-written segment under its final name.
+Corruption after publication (truncation, bit flips, another rank's or run's file) is caught by
+the header's identity and the per-record checksums. Everything is little-endian::
+
+    segment   = file_header records*
+    file_header:
+        8s   magic  b"DIFFSEG\\0"
+        u16  format version (FORMAT_VERSION)
+        u32  n, the length of the header JSON
+        n    header JSON (UTF-8): identity, compressor, first/last iteration, record count
+        u32  CRC-32 of the header JSON
+    record:
+        4s   magic  b"REC\\0"
+        u64  iteration
+        u32  m, the length of the record JSON
+        u64  p, the length of the payload
+        m    record JSON: {"scalars": {...}, "tensors": [{name, dtype, shape, offset, nbytes}]}
+        p    payload: the tensors' raw bytes, concatenated
+        u32  CRC-32 of everything of the record before it
+
+Parsing allocates only what the checksummed lengths describe, looks dtypes up in a fixed table,
+and never evaluates anything it reads.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+
+MAGIC = b"DIFFSEG\0"
+RECORD_MAGIC = b"REC\0"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+_FILE_HEAD = struct.Struct("<8sHI")  # magic, version, header length
+_RECORD_HEAD = struct.Struct("<4sQIQ")  # magic, iteration, json length, payload length
+_CRC = struct.Struct("<I")
+# Bounds on lengths read from a file, so a damaged length cannot ask for absurd allocations.
+MAX_JSON_BYTES = 16 << 20
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class DiffLogFormatError(ValueError):
+    """A segment is damaged, truncated, of an unknown version, or not a segment at all."""
+
+
+class ForeignSegmentError(DiffLogFormatError):
+    """A valid segment that belongs to another rank, run or shard layout."""
+
+
+@dataclass(frozen=True)
+class SegmentIdentity:
+    """Whose differentials a segment holds; a reader refuses a segment whose identity differs.
+
+    Attributes:
+        run_id: identifies the training run (set once, saved with every base).
+        tp_rank, pp_rank, dp_rank: the rank's coordinates.
+        layout_hash: hash of the rank's optimizer shard layout (parameter ranges and dtypes),
+            so a segment is never replayed into a differently sharded optimizer.
+    """
+
+    run_id: str
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    layout_hash: str
+
+    def dirname(self) -> str:
+        """``rank_<tp>_<pp>_<dp>``: the rank's folder in the diff log."""
+        return f"rank_{self.tp_rank}_{self.pp_rank}_{self.dp_rank}"
+
+
+@dataclass
+class DiffRecord:
+    """The differential of one iteration on one rank: step scalars and named tensors (CPU)."""
+
+    iteration: int
+    scalars: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    identity: SegmentIdentity
+    compressor: str
+    first_iteration: int
+    last_iteration: int
+    num_records: int
+    format_version: int = FORMAT_VERSION
+
+
+def segment_filename(first: int, last: int) -> str:
+    return f"seg_{first:010d}_{last:010d}.bin"
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous()
+    if t.device.type != "cpu":
+        raise ValueError(f"diff log tensors must be on the CPU, got {t.device}")
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+def write_segment(f: BinaryIO, header: SegmentHeader, records: list[DiffRecord]) -> int:
+    """Serialise a segment to ``f``; returns the bytes written. Any rank."""
+    head = dict(asdict(header))
+    head_json = json.dumps(head, sort_keys=True).encode()
+    written = f.write(_FILE_HEAD.pack(MAGIC, header.format_version, len(head_json)))
+    written += f.write(head_json)
+    written += f.write(_CRC.pack(zlib.crc32(head_json)))
+    for rec in records:
+        written += _write_record(f, rec)
+    return written
+
+
+def _write_record(f: BinaryIO, rec: DiffRecord) -> int:
+    descs, views, offset = [], [], 0
+    for name, t in rec.tensors.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} is not supported by the diff log")
+        view = _tensor_bytes(t)
+        descs.append(
+            {
+                "name": name,
+                "dtype": _DTYPE_NAMES[t.dtype],
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": view.nbytes,
+            }
+        )
+        views.append(view)
+        offset += view.nbytes
+    meta = json.dumps({"scalars": rec.scalars, "tensors": descs}, sort_keys=True).encode()
+    head = _RECORD_HEAD.pack(RECORD_MAGIC, rec.iteration, len(meta), offset)
+    crc = zlib.crc32(meta, zlib.crc32(head))
+    n = f.write(head) + f.write(meta)
+    for view in views:
+        crc = zlib.crc32(view, crc)
+        n += f.write(view)
+    return n + f.write(_CRC.pack(crc))
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise DiffLogFormatError(f"truncated {what}: expected {n} bytes, found {len(data)}")
+    return data
+
+
+def read_header(f: BinaryIO) -> SegmentHeader:
+    """Parse and check the file header. Raises :class:`DiffLogFormatError` when invalid."""
+    magic, version, n = _FILE_HEAD.unpack(_read_exact(f, _FILE_HEAD.size, "file header"))
+    if magic != MAGIC:
+        raise DiffLogFormatError(f"not a diff log segment (magic {magic!r}, expected {MAGIC!r})")
+    if version not in SUPPORTED_VERSIONS:
+        raise DiffLogFormatError(
+            f"segment format version {version} is not supported (this reader supports "
+            f"{SUPPORTED_VERSIONS}); read it with the version that wrote it"
+        )
+    if n > MAX_JSON_BYTES:
+        raise DiffLogFormatError(f"header length {n} exceeds {MAX_JSON_BYTES}")
+    head_json = _read_exact(f, n, "header")
+    (crc,) = _CRC.unpack(_read_exact(f, _CRC.size, "header checksum"))
+    if crc != zlib.crc32(head_json):
+        raise DiffLogFormatError("header checksum mismatch")
+    try:
+        head = json.loads(head_json)
+        return SegmentHeader(identity=SegmentIdentity(**head.pop("identity")), **head)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise DiffLogFormatError(f"malformed header: {exc}") from None
+
+
+def iter_records(f: BinaryIO) -> Iterator[DiffRecord]:
+    """Yield records after the header until the end of ``f``.
+
+    Raises :class:`DiffLogFormatError` at the first damaged record, after yielding the valid ones
+    before it.
+    """
+    while True:
+        head = f.read(_RECORD_HEAD.size)
+        if not head:
+            return
+        if len(head) != _RECORD_HEAD.size:
+            raise DiffLogFormatError(f"truncated record header ({len(head)} bytes)")
+        magic, iteration, m, p = _RECORD_HEAD.unpack(head)
+        if magic != RECORD_MAGIC:
+            raise DiffLogFormatError(f"bad record magic {magic!r}")
+        if m > MAX_JSON_BYTES:
+            raise DiffLogFormatError(f"record JSON length {m} exceeds {MAX_JSON_BYTES}")
+        meta = _read_exact(f, m, f"record of iteration {iteration}")
+        payload = bytearray(_read_exact(f, p, f"payload of iteration {iteration}"))
+        (crc,) = _CRC.unpack(_read_exact(f, _CRC.size, "record checksum"))
+        if crc != zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(head))):
+            raise DiffLogFormatError(f"checksum mismatch in the record of iteration {iteration}")
+        yield _decode_record(iteration, meta, payload)
+
+
+def _decode_record(iteration: int, meta: bytes, payload: bytearray) -> DiffRecord:
+    try:
+        doc = json.loads(meta)
+        tensors = {}
+        for d in doc["tensors"]:
+            dtype = _DTYPES[d["dtype"]]
+            start, nbytes = int(d["offset"]), int(d["nbytes"])
+            if start < 0 or start + nbytes > len(payload):
+                raise ValueError(f"tensor {d['name']} lies outside the payload")
+            raw = (
+                torch.frombuffer(payload, dtype=torch.uint8, offset=start, count=nbytes)
+                if nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            tensors[d["name"]] = raw.view(dtype).reshape(d["shape"])
+        return DiffRecord(iteration, doc["scalars"], tensors)
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise DiffLogFormatError(f"malformed record of iteration {iteration}: {exc}") from None

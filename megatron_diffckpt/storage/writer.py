@@ -1,0 +1,223 @@
+"""The batched background writer of one rank's diff log.
+
+The training loop hands over one :class:`DiffRecord` per iteration; every ``batch_size`` records
+become one segment, which a background thread serialises to ``<name>.tmp``, fsyncs, renames to its
+final name and fsyncs the directory: only then do its iterations count as durable. The loop never
+waits on storage unless it asks to (:meth:`DiffLogWriter.flush`) or the bounded backlog is full and
+the policy is ``"block"``; with ``"skip"`` the batch is dropped instead, a warning names the lost
+iterations, and durability stops advancing until :meth:`DiffLogWriter.restart_chain` is called after
+the next base (a chain with a gap cannot be replayed past it). Errors of the background thread are
+raised by the next call from the training loop, never swallowed.
+
+Any rank, no collectives: each rank writes only its own folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from megatron_diffckpt.storage.format import (
+    DiffRecord,
+    SegmentHeader,
+    SegmentIdentity,
+    segment_filename,
+    write_segment,
+)
+
+logger = logging.getLogger(__name__)
+
+WHEN_FULL = ("block", "skip")
+
+
+@dataclass
+class WriterStats:
+    """Counters since the writer started."""
+
+    segments: int = 0
+    records: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    blocked_seconds: float = 0.0
+    skipped_records: int = 0
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DiffLogWriter:
+    """Writes one rank's differentials as segments of ``batch_size`` consecutive iterations.
+
+    Args:
+        root: the diff log folder (``SAVE/diffckpt``); this rank writes ``root/rank_T_P_D``.
+        identity: whose records these are; written into every segment header.
+        compressor: the compressor's name, recorded in each header.
+        batch_size: iterations per segment (B).
+        max_pending: segments that may wait for the background thread (bounds host memory at
+            about ``(max_pending + 2) * batch_size`` records).
+        when_full: ``"block"`` (wait for the writer) or ``"skip"`` (drop the batch, warn).
+        chain_start: the iteration of the base the first record follows.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        identity: SegmentIdentity,
+        compressor: str,
+        batch_size: int,
+        max_pending: int = 2,
+        when_full: str = "block",
+        chain_start: int = 0,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        if when_full not in WHEN_FULL:
+            raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
+        self.identity = identity
+        self.compressor = compressor
+        self.batch_size = batch_size
+        self.when_full = when_full
+        self.dir = os.path.join(root, identity.dirname())
+        os.makedirs(self.dir, exist_ok=True)
+        self.stats = WriterStats()
+        self._batch: list[DiffRecord] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._chain_start = chain_start
+        self._next_iteration = chain_start + 1
+        self._durable = chain_start
+        self._chain_broken = False
+        self._thread = threading.Thread(target=self._run, name="diffckpt-writer", daemon=True)
+        self._thread.start()
+
+    # -- the training loop's side -----------------------------------------------------------
+
+    @property
+    def durable_iteration(self) -> int:
+        """The newest iteration whose record, and all before it back to the chain start, is on
+        disk (fsynced and published)."""
+        with self._lock:
+            return self._durable
+
+    def append(self, record: DiffRecord) -> None:
+        """Take ownership of ``record`` (its tensors must not change afterwards)."""
+        self._raise_background_error()
+        if record.iteration != self._next_iteration:
+            raise ValueError(
+                f"diff log of {self.identity.dirname()} expects iteration "
+                f"{self._next_iteration}, got {record.iteration}"
+            )
+        self._next_iteration += 1
+        self._batch.append(record)
+        if len(self._batch) >= self.batch_size:
+            self._submit()
+
+    def flush(self) -> int:
+        """Write the partial batch and wait until everything handed over is durable.
+
+        Returns :attr:`durable_iteration`.
+        """
+        if self._batch:
+            self._submit(force_block=True)
+        self._queue.join()
+        self._raise_background_error()
+        return self.durable_iteration
+
+    def restart_chain(self, base_iteration: int) -> None:
+        """A new base exists at ``base_iteration``: the next record is ``base_iteration + 1``.
+
+        Pending records are flushed first; this also mends a chain broken by skipped batches.
+        """
+        self.flush()
+        with self._lock:
+            self._chain_start = base_iteration
+            self._durable = base_iteration
+            self._chain_broken = False
+        self._next_iteration = base_iteration + 1
+
+    def close(self) -> None:
+        """Flush and stop the background thread. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self.flush()
+        finally:
+            self._queue.put(None)
+            self._thread.join()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _submit(self, force_block: bool = False) -> None:
+        batch, self._batch = self._batch, []
+        if self.when_full == "skip" and not force_block:
+            try:
+                self._queue.put_nowait(batch)
+            except queue.Full:
+                with self._lock:
+                    self._chain_broken = True
+                self.stats.skipped_records += len(batch)
+                logger.warning(
+                    "diff log %s: storage fell behind, iterations %d-%d were NOT written; "
+                    "durability stays at iteration %d until the next base",
+                    self.identity.dirname(),
+                    batch[0].iteration,
+                    batch[-1].iteration,
+                    self.durable_iteration,
+                )
+            return
+        start = time.perf_counter()
+        self._queue.put(batch)
+        self.stats.blocked_seconds += time.perf_counter() - start
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(
+                f"diff log writer of {self.identity.dirname()} failed; the last durable iteration "
+                f"is {self.durable_iteration}"
+            ) from self._error
+
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                if self._error is None:
+                    self._write(batch)
+            except BaseException as exc:  # reported to the training loop by the next call
+                self._error = exc
+                logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, batch: list[DiffRecord]) -> None:
+        start = time.perf_counter()
+        first, last = batch[0].iteration, batch[-1].iteration
+        header = SegmentHeader(self.identity, self.compressor, first, last, len(batch))
+        final = os.path.join(self.dir, segment_filename(first, last))
+        tmp = final + ".tmp"
+        with open(tmp, "wb") as f:
+            n = write_segment(f, header, batch)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        with self._lock:
+            if not self._chain_broken and first == self._durable + 1:
+                self._durable = last
+        self.stats.segments += 1
+        self.stats.records += len(batch)
+        self.stats.bytes_written += n
+        self.stats.write_seconds += time.perf_counter() - start

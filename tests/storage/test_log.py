@@ -1,0 +1,250 @@
+"""The diff log on disk: batched durable writes, the reader's chain, and damage, kill and
+back-pressure handled as documented."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_diffckpt.storage import (
+    DiffLogWriter,
+    DiffRecord,
+    SegmentIdentity,
+    read_segment,
+    scan_rank_log,
+)
+from megatron_diffckpt.storage import writer as writer_module
+
+IDENTITY = SegmentIdentity("run-a", 0, 0, 1, "layout-1")
+OTHER_RANK = SegmentIdentity("run-a", 0, 0, 0, "layout-1")
+
+
+def _record(it: int, numel: int = 64) -> DiffRecord:
+    g = torch.Generator().manual_seed(it)
+    return DiffRecord(it, {"lr": 0.001 * it}, {"grad": torch.randn(numel, generator=g)})
+
+
+def _write(root: Path, iterations, identity=IDENTITY, batch_size=3, start=0) -> DiffLogWriter:
+    w = DiffLogWriter(str(root), identity, "none", batch_size=batch_size, chain_start=start)
+    for it in iterations:
+        w.append(_record(it))
+    w.close()
+    return w
+
+
+def _rank_dir(root: Path, identity=IDENTITY) -> Path:
+    return root / identity.dirname()
+
+
+def _segments(root: Path, identity=IDENTITY) -> list[str]:
+    return sorted(os.listdir(_rank_dir(root, identity)))
+
+
+def test_batches_become_published_segments(tmp_path):
+    w = _write(tmp_path, range(1, 8))
+    assert _segments(tmp_path) == [
+        "seg_0000000001_0000000003.bin",
+        "seg_0000000004_0000000006.bin",
+        "seg_0000000007_0000000007.bin",
+    ]
+    assert w.durable_iteration == 7
+    assert w.stats.records == 7 and w.stats.segments == 3 and w.stats.bytes_written > 7 * 64 * 4
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=0)
+    assert scan.problems == [] and scan.last_iteration == 7
+    for rec in scan.records:
+        assert torch.equal(rec.tensors["grad"], _record(rec.iteration).tensors["grad"])
+        assert rec.scalars == {"lr": 0.001 * rec.iteration}
+
+
+def test_chain_starts_after_the_base(tmp_path):
+    _write(tmp_path, range(1, 8))
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=4)
+    assert [r.iteration for r in scan.records] == [5, 6, 7] and scan.problems == []
+
+
+def test_out_of_order_append_is_refused(tmp_path):
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=2)
+    w.append(_record(1))
+    with pytest.raises(ValueError, match="expects iteration 2, got 3"):
+        w.append(_record(3))
+    w.close()
+
+
+def _damage_second_segment(tmp_path: Path, how: str) -> str:
+    _write(tmp_path, range(1, 10))
+    path = _rank_dir(tmp_path) / "seg_0000000004_0000000006.bin"
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(data[:-40])  # inside the payload of its third record
+    elif how == "bit-flipped":
+        data[-20] ^= 0x01  # in the payload of the last record
+        path.write_bytes(bytes(data))
+    elif how == "missing":
+        path.unlink()
+    elif how == "foreign":
+        other = tmp_path / "other"
+        _write(other, range(1, 10), identity=OTHER_RANK)
+        shutil.copy(_rank_dir(other, OTHER_RANK) / path.name, path)
+    elif how == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    return path.name
+
+
+@pytest.mark.parametrize(
+    ("how", "last", "message"),
+    [
+        ("truncated", 5, "kept 2 of its records"),
+        ("bit-flipped", 5, "checksum mismatch in the record of iteration 6"),
+        ("missing", 3, "gap, iteration 4 is missing"),
+        ("foreign", 3, "belongs to"),
+        ("garbage", 3, "not a diff log segment"),
+    ],
+)
+def test_damage_keeps_the_longest_valid_prefix_and_says_what_was_skipped(
+    tmp_path, how, last, message
+):
+    name = _damage_second_segment(tmp_path, how)
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=0)
+    assert scan.last_iteration == last
+    assert [r.iteration for r in scan.records] == list(range(1, last + 1))
+    text = "\n".join(scan.problems)
+    assert message in text
+    assert "seg_0000000007_0000000009.bin" in text  # the segment after the damage is named
+    if how != "missing":
+        assert name in text
+
+
+def test_foreign_segment_is_refused_whole(tmp_path):
+    _write(tmp_path, range(1, 4), identity=OTHER_RANK)
+    path = _rank_dir(tmp_path, OTHER_RANK) / "seg_0000000001_0000000003.bin"
+    scan = read_segment(str(path), IDENTITY)
+    assert scan.records == [] and "belongs to" in scan.error
+    other_run = SegmentIdentity("run-b", 0, 0, 0, "layout-1")
+    assert "belongs to" in read_segment(str(path), other_run).error
+    assert read_segment(str(path), OTHER_RANK).error is None
+
+
+def test_temporary_files_are_never_read(tmp_path):
+    _write(tmp_path, range(1, 4))
+    (_rank_dir(tmp_path) / "seg_0000000004_0000000006.bin.tmp").write_bytes(b"partial")
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=0)
+    assert scan.last_iteration == 3 and scan.problems == []
+
+
+class _StalledWrites:
+    """Makes the background thread wait on an event before each segment."""
+
+    def __init__(self, monkeypatch):
+        self.release = threading.Event()
+        original = writer_module.write_segment
+
+        def stalled(*args, **kwargs):
+            assert self.release.wait(30)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(writer_module, "write_segment", stalled)
+
+
+def test_skip_policy_drops_batches_says_so_and_stops_durability(tmp_path, monkeypatch, caplog):
+    stall = _StalledWrites(monkeypatch)
+    w = DiffLogWriter(
+        str(tmp_path), IDENTITY, "none", batch_size=1, max_pending=1, when_full="skip"
+    )
+    for it in range(1, 6):  # one in the thread, one queued, the rest dropped
+        w.append(_record(it))
+    assert w.stats.skipped_records >= 2
+    assert "were NOT written" in caplog.text
+    stall.release.set()
+    w.flush()
+    assert w.durable_iteration < 5  # the gap holds durability back
+    w.restart_chain(10)  # a new base at iteration 10 mends the chain
+    w.append(_record(11))
+    assert w.flush() == 11
+    w.close()
+
+
+def test_block_policy_waits_and_loses_nothing(tmp_path, monkeypatch):
+    stall = _StalledWrites(monkeypatch)
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1, max_pending=1)
+    threading.Timer(0.5, stall.release.set).start()
+    for it in range(1, 6):
+        w.append(_record(it))
+    assert w.flush() == 5 and w.stats.skipped_records == 0 and w.stats.blocked_seconds > 0
+    w.close()
+
+
+def test_background_failure_reaches_the_training_loop(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(writer_module, "write_segment", broken)
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1)
+    w.append(_record(1))
+    with pytest.raises(RuntimeError, match="last durable iteration is 0") as exc:
+        w.flush()
+    assert "disk full" in str(exc.value.__cause__)
+    with pytest.raises(RuntimeError):
+        w.append(_record(2))
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from megatron_diffckpt.storage import DiffLogWriter, DiffRecord, SegmentIdentity
+    w = DiffLogWriter(sys.argv[1], SegmentIdentity("run-a", 0, 0, 1, "layout-1"), "none",
+                      batch_size=2, max_pending=2)
+    it = 0
+    while True:
+        it += 1
+        g = torch.Generator().manual_seed(it)
+        w.append(DiffRecord(it, {"lr": 0.001 * it}, {"grad": torch.randn(1_000_000, generator=g)}))
+        print("durable", w.durable_iteration, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.15, 0.4])
+def test_sigkill_mid_write_leaves_every_durable_iteration_readable(tmp_path, delay):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    reported: list[int] = []
+    progressed = threading.Event()
+
+    def follow():
+        for line in proc.stdout:
+            reported.append(int(line.split()[1]))
+            if reported[-1] >= 4:
+                progressed.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    try:
+        assert progressed.wait(120), "the writer made no progress"
+        time.sleep(delay)  # land the kill at different points of a segment's write
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    last_reported = reported[-1]
+
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=0)
+    # Everything the writer had called durable is there, intact, with no gap and no damage;
+    # a segment cut by the kill exists only as a .tmp file, which is never read.
+    assert scan.last_iteration >= last_reported
+    assert scan.problems == []
+    assert [r.iteration for r in scan.records] == list(range(1, scan.last_iteration + 1))
+    for rec in scan.records:
+        expected = torch.randn(1_000_000, generator=torch.Generator().manual_seed(rec.iteration))
+        assert torch.equal(rec.tensors["grad"], expected)
