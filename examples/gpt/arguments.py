@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 
 from megatron_diffckpt.checkpoint_layout import CheckpointNotFoundError, find_latest_iteration
+from megatron_diffckpt.config import DiffCkptConfig
 
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="After training, write each rank's parameters, optimizer shard and losses to "
         "DIR/rank_<r>.pt (used by the exact-resume tests).",
     )
+    DiffCkptConfig.add_arguments(p)
     return p
 
 
@@ -174,6 +176,21 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         parser.error("--mock-data and --data-path exclude each other")
     if args.load is not None:
         _check_load_dir(parser, args.load)
+    try:
+        args.diffckpt = DiffCkptConfig.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.diffckpt.enabled:
+        if args.save is None:
+            parser.error(f"--diffckpt-mode {args.diffckpt.mode} needs --save DIR")
+        if args.load is not None and os.path.abspath(args.load) != os.path.abspath(args.save):
+            parser.error(
+                "--diffckpt-mode continues the differential log of --load: use the same folder "
+                f"for --save (got --load {args.load}, --save {args.save})"
+            )
+        if args.diffckpt.full_interval == 0 and args.save_interval is None:
+            parser.error("--diffckpt-mode needs --diffckpt-full-interval or --save-interval")
+    args.base_interval = args.diffckpt.full_interval or args.save_interval
     if args.data_path is not None and not os.path.isfile(args.data_path):
         parser.error(f"--data-path {args.data_path}: no such file")
     return args

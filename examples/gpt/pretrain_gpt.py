@@ -314,10 +314,34 @@ def main(argv=None) -> int:
         args.micro_batch_size,
     )
 
+    manager = None
+    if args.diffckpt.enabled:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from megatron_diffckpt.manager import DiffCheckpointManager
+
+        coords = (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+        )
+        manager = DiffCheckpointManager(
+            args.diffckpt, args.save, optimizer, get_cuda_rng_tracker(), coords
+        )
+
     iteration, consumed = 0, 0
     if args.load is not None:
         iteration, consumed = Checkpointer.load(args.load, model, optimizer, scheduler)
+        if manager is not None:
+            iteration, scheduler_steps, replayed_consumed = manager.recover(iteration)
+            if scheduler_steps is not None:
+                scheduler.num_steps = scheduler_steps
+                scheduler.step(increment=0)  # the LR the next iteration uses
+                consumed = replayed_consumed
+            logger.info("recovered to iteration %d", iteration)
     checkpointer = Checkpointer(args.save, args.async_save)
+    if manager is not None:
+        manager.start(iteration)
 
     tokens = load_tokens(args.data_path, args.mock_data, args.seq_length, args.seed)
     windows = TokenWindows(tokens, args.seq_length, args.seed)
@@ -343,6 +367,8 @@ def main(argv=None) -> int:
         iteration += 1
         consumed += args.global_batch_size
         skipped += int(was_skipped)
+        if manager is not None:
+            manager.end_iteration(iteration, scheduler.num_steps, consumed)
         interval["time"] += time.perf_counter() - start
         loss_value = _broadcast_loss(loss)
         losses.append(loss_value)
@@ -369,7 +395,7 @@ def main(argv=None) -> int:
             interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
         checkpointer.finalize()
         stop = args.exit_interval is not None and iteration % args.exit_interval == 0
-        due = args.save_interval is not None and iteration % args.save_interval == 0
+        due = args.base_interval is not None and iteration % args.base_interval == 0
         if args.save is not None and (due or stop or iteration == args.train_iters):
             interval["ckpt"] += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
         if stop:
@@ -377,6 +403,8 @@ def main(argv=None) -> int:
                 "exiting at iteration %d (--exit-interval %d)", iteration, args.exit_interval
             )
             break
+    if manager is not None:
+        manager.close()
     checkpointer.close()
     if args.dump_state:
         dump_state(args.dump_state, model, optimizer, losses)

@@ -15,4 +15,7 @@ from megatron_diffckpt.patches.base import (
 __all__ = ["TESTED_MEGATRON_CORE_VERSIONS", "MegatronDriftError", "MethodPatch", "ALL_PATCHES"]
 
 # Module names of every patch, for the drift test and for tools that list them.
-ALL_PATCHES = ("megatron_diffckpt.patches.torch_adam_state",)
+ALL_PATCHES = (
+    "megatron_diffckpt.patches.optimizer_step",
+    "megatron_diffckpt.patches.torch_adam_state",
+)

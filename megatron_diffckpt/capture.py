@@ -1,0 +1,168 @@
+"""Capture and replay of the exact input of each optimizer step on one rank (invariant 1).
+
+A differential is what this rank's torch optimizer consumed at one iteration: the gradient of
+every main parameter of its shard (after reduction, unscaling and clipping) and the learning rate
+and weight decay of every param group, plus what the next iteration needs to continue exactly:
+the RNG states and the LR scheduler's step count. Replaying a chain of differentials onto the base
+they follow, through the same optimizer code, reproduces parameters and optimizer state (Adam
+moments, step) bit for bit on the same kind of device.
+
+Gradients are stored sparse (``int32`` indices of the entries whose bits are not all zero, and
+their values) when that is smaller, dense otherwise. Both are exact; with a compressed gradient
+exchange the optimizer input is sparse and so is the differential.
+
+Nothing here imports megatron: the optimizer objects are used through the methods they expose
+(:mod:`megatron_diffckpt.patches.optimizer_step` is the hook into megatron).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_diffckpt.patches.optimizer_step import inner_optimizers, step_without_hook
+from megatron_diffckpt.storage.format import DiffRecord
+
+_INT_VIEW = {4: torch.int32, 2: torch.int16, 8: torch.int64}
+
+
+def _name(inner: int, group: int, index: int) -> str:
+    return f"o{inner}.g{group}.p{index}"
+
+
+def encode_grad(grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"dense": flat}`` or ``{"values", "indices"}``, whichever is smaller; exact either way.
+
+    Non-zero means "some bit set", so ``-0.0`` survives the round trip.
+    """
+    flat = grad.detach().reshape(-1)
+    nz = flat.view(_INT_VIEW[flat.element_size()]) != 0
+    nnz = int(nz.sum())
+    if nnz * (flat.element_size() + 4) < flat.numel() * flat.element_size():
+        idx = nz.nonzero().reshape(-1)
+        return {"values": flat[idx].clone(), "indices": idx.to(torch.int32)}
+    return {"dense": flat.clone()}
+
+
+def decode_grad(parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The gradient :func:`encode_grad` stored, shaped and typed like ``like``."""
+    if "dense" in parts:
+        return parts["dense"].to(like.dtype).reshape(like.shape)
+    out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+    out[parts["indices"].long()] = parts["values"].to(like.dtype)
+    return out.reshape(like.shape)
+
+
+class GradShardCapture:
+    """Collects one iteration's optimizer inputs on this rank and turns them into a record.
+
+    The training loop's order of calls, on every rank::
+
+        patches.optimizer_step.attach(optimizer, capture.on_ready_grads)
+        ... optimizer.step() ...            # on_ready_grads runs inside, per inner optimizer
+        scheduler.step(...)
+        record = capture.take_record(iteration, scheduler_steps, consumed_samples, tracker)
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, torch.Tensor] = {}
+        self._groups: dict[str, list[float]] = {}
+
+    def on_ready_grads(self, inner_index: int, torch_optimizer: torch.optim.Optimizer) -> None:
+        """Copy the gradients and hyper-parameters the torch optimizer is about to use."""
+        for g, group in enumerate(torch_optimizer.param_groups):
+            self._groups[f"o{inner_index}.g{g}"] = [
+                float(group["lr"]),
+                float(group.get("weight_decay", 0.0)),
+            ]
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                grad = p.grad if p.grad.device.type == "cpu" else p.grad.to("cpu")
+                for part, t in encode_grad(grad).items():
+                    self._pending[f"{_name(inner_index, g, i)}:{part}"] = t
+
+    def take_record(
+        self, iteration: int, scheduler_steps: int, consumed_samples: int, rng_tracker: Any
+    ) -> DiffRecord:
+        """The record of ``iteration``, after its optimizer and scheduler steps.
+
+        An iteration whose step was skipped (inf/nan gradients) yields a record with no tensors.
+        """
+        tensors, self._pending = self._pending, {}
+        groups, self._groups = self._groups, {}
+        scalars: dict[str, Any] = {
+            "skipped": not tensors and not groups,
+            "groups": groups,
+            "scheduler_steps": int(scheduler_steps),
+            "consumed_samples": int(consumed_samples),
+        }
+        rng_scalars, rng_tensors = capture_rng(rng_tracker)
+        scalars.update(rng_scalars)
+        tensors.update(rng_tensors)
+        return DiffRecord(iteration, scalars, tensors)
+
+
+def capture_rng(rng_tracker: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Every RNG the next iteration may draw from, as plain data and uint8/int64 tensors."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    scalars = {
+        "rng.python": [py_version, py_gauss],
+        "rng.numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "rng.tracker": sorted(rng_tracker.get_states()),
+    }
+    tensors = {
+        "rng.python": torch.tensor(py_state, dtype=torch.int64),
+        "rng.numpy": torch.from_numpy(np_keys.astype(np.int64)),
+        "rng.torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    for name, state in rng_tracker.get_states().items():
+        tensors[f"rng.tracker.{name}"] = state.cpu()
+    return scalars, tensors
+
+
+def restore_rng(record: DiffRecord, rng_tracker: Any) -> None:
+    """Set every RNG to its state at the end of ``record``'s iteration."""
+    s, t = record.scalars, record.tensors
+    py_version, py_gauss = s["rng.python"]
+    random.setstate((py_version, tuple(t["rng.python"].tolist()), py_gauss))
+    np_name, np_pos, np_has_gauss, np_gauss = s["rng.numpy"]
+    np.random.set_state(
+        (np_name, t["rng.numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
+    )
+    torch.set_rng_state(t["rng.torch"].clone())
+    if "rng.cuda" in t and torch.cuda.is_available():
+        torch.cuda.set_rng_state(t["rng.cuda"].clone())
+    rng_tracker.set_states({name: t[f"rng.tracker.{name}"].clone() for name in s["rng.tracker"]})
+
+
+def replay_record(optimizer: Any, record: DiffRecord) -> None:
+    """Run one recorded optimizer step. All ranks of the data-parallel group, together.
+
+    Each inner optimizer gets the recorded gradients and hyper-parameters, then its own
+    ``step_with_ready_grads`` (torch step, copy to the model, parameter all-gather).
+    """
+    if record.scalars["skipped"]:
+        return
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in record.tensors.items():
+        name, sep, part = key.partition(":")
+        if sep:
+            grads.setdefault(name, {})[part] = t
+    for index, inner in enumerate(inner_optimizers(optimizer)):
+        if getattr(inner, "is_stub_optimizer", False):
+            continue
+        torch_optimizer = inner.optimizer
+        for g, group in enumerate(torch_optimizer.param_groups):
+            lr, wd = record.scalars["groups"][f"o{index}.g{g}"]
+            group["lr"], group["weight_decay"] = lr, wd
+            for i, p in enumerate(group["params"]):
+                parts = grads.get(_name(index, g, i))
+                p.grad = decode_grad(parts, p) if parts else None
+        step_without_hook(inner)

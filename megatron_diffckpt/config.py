@@ -1,0 +1,92 @@
+"""``DiffCkptConfig``: every setting of differential checkpointing, and its ``--diffckpt-*`` flags.
+
+The flags are generated from the dataclass (name, type, default, choices, help from the field's
+docstring), so a setting is written once. Validation lives in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+MODES = ("off", "lowdiff")
+WHEN_FULL = ("block", "skip")
+
+
+@dataclass
+class DiffCkptConfig:
+    """Differential checkpointing settings (one field per ``--diffckpt-*`` flag)."""
+
+    mode: str = "off"
+    """off: stock checkpoints only. lowdiff: write every iteration's optimizer input as a
+    differential, replayed on --load onto the newest base."""
+
+    dir: str | None = None
+    """Folder of the diff log; default SAVE/diffckpt."""
+
+    batch_size: int = 1
+    """Iterations per diff-log write (B); a crash loses at most this many iterations."""
+
+    max_pending: int = 2
+    """Writes that may wait for the background writer; bounds host memory."""
+
+    when_full: str = "block"
+    """When the writer falls behind: block training, or skip the batch (logged; durability
+    waits for the next base)."""
+
+    full_interval: int = 0
+    """Iterations between bases (stock dist checkpoints, F); 0 uses --save-interval."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
+        if self.when_full not in WHEN_FULL:
+            raise ValueError(
+                f"--diffckpt-when-full must be one of {WHEN_FULL}, got {self.when_full!r}"
+            )
+        for name in ("batch_size", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be >= 1")
+        if self.full_interval < 0:
+            raise ValueError("--diffckpt-full-interval must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one ``--diffckpt-<field>`` flag per field to ``parser``."""
+        group = parser.add_argument_group("differential checkpointing (megatron-diffckpt)")
+        docs = _field_docs(cls)
+        choices = {"mode": MODES, "when_full": WHEN_FULL}
+        for f in fields(cls):
+            kind = {"int": int, "str": str, "str | None": str}[str(f.type)]
+            group.add_argument(
+                f"--diffckpt-{f.name.replace('_', '-')}",
+                dest=f"diffckpt_{f.name}",
+                type=kind,
+                default=f.default if f.default is not MISSING else None,
+                choices=choices.get(f.name),
+                help=docs.get(f.name, ""),
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DiffCkptConfig:
+        """The config of parsed flags; raises ``ValueError`` with the flag's name when invalid."""
+        return cls(**{f.name: getattr(args, f"diffckpt_{f.name}") for f in fields(cls)})
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of ``cls`` (its attribute docstring)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs: dict[str, Any] = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs

@@ -1,0 +1,94 @@
+"""Recovery: agree on the newest iteration every rank holds durably, then replay up to it.
+
+The collective rule: :func:`agree_on_iteration` and :func:`replay` are called by all ranks
+together (replay runs the optimizer step, which all-gathers parameters across data-parallel ranks).
+The base is loaded before, by the caller, with stock ``dist_checkpointing``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from megatron_diffckpt.capture import replay_record, restore_rng
+from megatron_diffckpt.storage.format import (
+    DiffRecord,
+    SegmentHeader,
+    segment_filename,
+    write_segment,
+)
+from megatron_diffckpt.storage.reader import RankLogScan, list_segments, read_segment
+from megatron_diffckpt.storage.writer import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+
+def agree_on_iteration(scan: RankLogScan, group: Any = None) -> int:
+    """The largest T that every rank's chain reaches: one all-reduce (MIN). All ranks."""
+    t = torch.tensor([scan.last_iteration], dtype=torch.int64)
+    if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl":
+        t = t.cuda()
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def replay(
+    optimizer: Any, records: list[DiffRecord], rng_tracker: Any, log_every: int = 10
+) -> DiffRecord | None:
+    """Replay ``records`` in order through ``optimizer``; restore the RNGs of the last one.
+
+    All ranks, collectively. Returns the last record (its scalars hold the scheduler's step count
+    and the consumed samples), or ``None`` when there was nothing to replay.
+    """
+    start = time.perf_counter()
+    for i, record in enumerate(records, 1):
+        replay_record(optimizer, record)
+        if i % log_every == 0 or i == len(records):
+            rate = i / max(time.perf_counter() - start, 1e-9)
+            logger.info(
+                "replayed diff %d of %d (iteration %d, %.1f diffs/s)",
+                i,
+                len(records),
+                record.iteration,
+                rate,
+            )
+    if not records:
+        return None
+    restore_rng(records[-1], rng_tracker)
+    return records[-1]
+
+
+def truncate_log(rank_dir: str, scan: RankLogScan, iteration: int) -> None:
+    """Make ``rank_dir`` end at ``iteration``, so new records can follow it. Any rank.
+
+    Segments after ``iteration`` are removed; one that straddles it is first rewritten with its
+    records up to ``iteration`` (published atomically), so nothing durable at or before it is lost.
+    """
+    kept = {r.iteration: r for r in scan.records if r.iteration <= iteration}
+    for first, last, path in list_segments(rank_dir):
+        if last <= iteration:
+            continue
+        if first <= iteration:
+            old = read_segment(path)
+            prefix = [kept[i] for i in range(first, iteration + 1) if i in kept]
+            if old.header is not None and len(prefix) == iteration - first + 1:
+                header = SegmentHeader(
+                    old.header.identity, old.header.compressor, first, iteration, len(prefix)
+                )
+                final = os.path.join(rank_dir, segment_filename(first, iteration))
+                with open(final + ".tmp", "wb") as f:
+                    write_segment(f, header, prefix)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(final + ".tmp", final)
+        os.remove(path)
+        logger.info(
+            "diff log: removed %s (after the recovered iteration %d)",
+            os.path.basename(path),
+            iteration,
+        )
+    fsync_dir(rank_dir)
