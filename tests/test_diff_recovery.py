@@ -1,0 +1,122 @@
+"""Recovery from a base plus differentials after a SIGKILL is bit-exact, for three layouts.
+
+A run with ``--diffckpt-mode lowdiff`` is killed (SIGKILL, all ranks) while training, after its
+newest base; new processes load the base, replay the differentials every rank holds durably, and
+train on. Their final parameters, optimizer state (main params, exp_avg, exp_avg_sq, step) and
+losses must equal an uninterrupted run's (``torch.equal``). Real processes (torchrun, gloo).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+import torch
+from launch import PRETRAIN_GPT, REPO, RUN_TIMEOUT_S, TINY_GPT, _env, load_dumps, run_gpt
+
+TOTAL = 14
+BASE_INTERVAL = 5
+KILL_AFTER = 9  # iterations logged before the kill: base at 5, differentials 6.. durable
+
+LAYOUTS = {
+    "tp1-pp1-dp2": "--use-distributed-optimizer --overlap-grad-reduce",
+    "tp2-pp1-dp1": "--tensor-model-parallel-size 2 --use-distributed-optimizer",
+    "tp1-pp2-dp1": "--pipeline-model-parallel-size 2",
+}
+
+
+def _run_until_killed(args: list[str], kill_after: int) -> str:
+    """Start training, SIGKILL every process once ``kill_after`` iterations were logged."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(PRETRAIN_GPT),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reached = threading.Event()
+    pattern = re.compile(rf"iteration +{kill_after}/")
+
+    def follow():
+        for line in proc.stdout:
+            lines.append(line)
+            if pattern.search(line):
+                reached.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    try:
+        assert reached.wait(RUN_TIMEOUT_S), "training never reached the kill point:\n" + "".join(
+            lines[-40:]
+        )
+    finally:
+        _kill_tree(proc)
+    return "".join(lines)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every rank (torchrun puts ranks in their own sessions)."""
+    victims = psutil.Process(proc.pid).children(recursive=True)
+    for p in victims:
+        p.send_signal(signal.SIGKILL)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    psutil.wait_procs(victims, timeout=30)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sigkill_then_replay_is_bit_exact(tmp_path, layout):
+    common = [*TINY_GPT, *LAYOUTS[layout].split(), "--lr-decay-iters", "100"]
+    ckpt = str(tmp_path / "ckpt")
+    diff = ["--diffckpt-mode", "lowdiff", "--save", ckpt, "--save-interval", str(BASE_INTERVAL)]
+
+    run_gpt(2, *common, "--train-iters", str(TOTAL), "--dump-state", str(tmp_path / "straight"))
+    _run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(
+        BASE_INTERVAL
+    )
+
+    resumed = run_gpt(
+        2,
+        *common,
+        "--train-iters",
+        str(TOTAL),
+        *diff,
+        "--load",
+        ckpt,
+        "--dump-state",
+        str(tmp_path / "resumed"),
+    )
+    log = resumed.stdout + resumed.stderr
+    m = re.search(r"recovered to iteration (\d+)", log)
+    assert m, log[-3000:]
+    recovered = int(m.group(1))
+    assert recovered > BASE_INTERVAL and f"replayed diff {recovered - BASE_INTERVAL} of" in log
+
+    straight = load_dumps(tmp_path / "straight", 2)
+    after = load_dumps(tmp_path / "resumed", 2)
+    for rank in range(2):
+        a, b = straight[rank], after[rank]
+        assert b["losses"] == a["losses"][recovered:]  # training went on exactly from there
+        for name, value in a["params"].items():
+            assert torch.equal(value, b["params"][name]), f"rank {rank}: {name}"
+        for i, (x, y) in enumerate(zip(a["optimizer"], b["optimizer"], strict=True)):
+            for key in ("main_param", "exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(x[key], y[key]), f"rank {rank}: optimizer entry {i} {key}"
