@@ -1,0 +1,69 @@
+"""DiffCkptConfig: the flags come from the dataclass, and bad values are refused by name."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from megatron_diffckpt.config import DiffCkptConfig
+
+
+def _parse(*argv: str) -> DiffCkptConfig:
+    parser = argparse.ArgumentParser()
+    DiffCkptConfig.add_arguments(parser)
+    return DiffCkptConfig.from_args(parser.parse_args(list(argv)))
+
+
+def test_every_field_has_a_flag_with_its_docstring_as_help():
+    parser = argparse.ArgumentParser()
+    DiffCkptConfig.add_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for f in fields(DiffCkptConfig):
+        action = actions[f"diffckpt_{f.name}"]
+        assert action.option_strings == [f"--diffckpt-{f.name.replace('_', '-')}"]
+        assert len(action.help) > 20, f"{f.name} has no docstring"
+
+
+def test_defaults_and_values():
+    assert _parse() == DiffCkptConfig()
+    assert not DiffCkptConfig().enabled
+    c = _parse(
+        "--diffckpt-mode",
+        "lowdiff",
+        "--diffckpt-batch-size",
+        "4",
+        "--diffckpt-when-full",
+        "skip",
+        "--diffckpt-dir",
+        "/x",
+    )
+    assert (c.mode, c.batch_size, c.when_full, c.dir, c.enabled) == (
+        "lowdiff",
+        4,
+        "skip",
+        "/x",
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "sometimes"}, "--diffckpt-mode"),
+        ({"batch_size": 0}, "--diffckpt-batch-size"),
+        ({"max_pending": 0}, "--diffckpt-max-pending"),
+        ({"when_full": "x"}, "--diffckpt-when-full"),
+        ({"full_interval": -1}, "--diffckpt-full-interval"),
+    ],
+)
+def test_invalid_values_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DiffCkptConfig(**kwargs)
+
+
+def test_choices_are_enforced_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--diffckpt-mode", "sometimes")
+    assert "invalid choice" in capsys.readouterr().err
