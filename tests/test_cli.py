@@ -1,0 +1,83 @@
+"""``megatron-diffckpt inspect`` and ``verify`` on a real diff log, intact and damaged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from megatron_diffckpt.checkpoint_layout import publish_iteration
+from megatron_diffckpt.cli import main
+from megatron_diffckpt.storage import DiffLogWriter, DiffRecord, SegmentIdentity
+
+
+def _folder(tmp_path, iterations=8, base=4):
+    for it in (base,):
+        d = tmp_path / f"iter_{it:07d}"
+        d.mkdir()
+        (d / "metadata.json").write_text("{}")
+    publish_iteration(str(tmp_path), base)
+    for dp in (0, 1):
+        w = DiffLogWriter(
+            str(tmp_path / "diffckpt"), SegmentIdentity("r", 0, 0, dp, "h"), "none", batch_size=2
+        )
+        for i in range(1, iterations + 1 - dp):  # rank dp=1 is one iteration behind
+            w.append(DiffRecord(i, {}, {"g": torch.ones(8) * i}))
+        w.close()
+    return tmp_path
+
+
+def test_inspect_reports_the_recoverable_iteration(tmp_path, capsys):
+    _folder(tmp_path)
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["latest_base"] == 4
+    assert info["recoverable_iteration"] == 7  # the minimum over ranks: 8 and 7
+    assert [r["chain_end"] for r in info["ranks"]] == [8, 7]
+    assert info["diff_bytes"] > 0
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "recoverable iteration T: 7" in capsys.readouterr().out
+
+
+def test_verify_passes_clean_and_fails_on_a_flipped_bit(tmp_path, capsys):
+    _folder(tmp_path)
+    assert main(["verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().endswith("ok")
+    seg = tmp_path / "diffckpt" / "rank_0_0_1" / "seg_0000000005_0000000006.bin"
+    data = bytearray(seg.read_bytes())
+    data[-10] ^= 0x40
+    seg.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED rank_0_0_1/seg_0000000005_0000000006.bin: checksum mismatch" in out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    # Iteration 6 of rank 1 is damaged: every rank can recover to 5, no further.
+    assert json.loads(capsys.readouterr().out)["recoverable_iteration"] == 5
+
+
+def test_incomplete_base_is_a_note_not_damage(tmp_path, capsys):
+    _folder(tmp_path)
+    (tmp_path / "iter_0000006").mkdir()
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "note: iter_0000006: incomplete" in capsys.readouterr().out
+
+
+def test_exit_codes_of_the_installed_command(tmp_path):
+    missing = subprocess.run(
+        [sys.executable, "-m", "megatron_diffckpt.cli", "inspect", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "no such directory" in missing.stderr
+    empty = subprocess.run(
+        [sys.executable, "-m", "megatron_diffckpt.cli", "inspect", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert empty.returncode == 1 and "recoverable iteration T: None" in empty.stdout
+    usage = subprocess.run(
+        [sys.executable, "-m", "megatron_diffckpt.cli", "bogus"], capture_output=True, text=True
+    )
+    assert usage.returncode == 2
