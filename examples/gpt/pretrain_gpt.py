@@ -380,7 +380,7 @@ def main(argv=None) -> int:
                 " iteration %8d/%8d | consumed samples: %10d | elapsed time per iteration (ms): "
                 "%.1f | learning rate: %.6E | global batch size: %5d | lm loss: %.6E | "
                 "grad norm: %.3f | checkpoint time (ms): %.1f | "
-                "number of skipped iterations: %3d |",
+                "number of skipped iterations: %3d |%s",
                 iteration,
                 args.train_iters,
                 consumed,
@@ -391,6 +391,7 @@ def main(argv=None) -> int:
                 float(grad_norm or 0.0),
                 interval["ckpt"] * 1000.0,
                 skipped,
+                f" durable diff iteration: {manager.durable_iteration} |" if manager else "",
             )
             interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
         checkpointer.finalize()
