@@ -40,6 +40,9 @@ class DiffCkptConfig:
     full_interval: int = 0
     """Iterations between bases (stock dist checkpoints, F); 0 uses --save-interval."""
 
+    keep_bases: int = 0
+    """Newest complete bases to keep, with the differentials they can replay; 0 keeps all."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
@@ -50,8 +53,9 @@ class DiffCkptConfig:
         for name in ("batch_size", "max_pending"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be >= 1")
-        if self.full_interval < 0:
-            raise ValueError("--diffckpt-full-interval must be >= 0")
+        for name in ("full_interval", "keep_bases"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be >= 0")
 
     @property
     def enabled(self) -> bool:

@@ -8,6 +8,7 @@ Call sequence, every call on all ranks::
     for each iteration:
         optimizer.step(); scheduler.step(...)          # the hook captures inside step()
         manager.end_iteration(iteration, scheduler.num_steps, consumed)
+        # when a base is published: manager.on_base_published(base_iteration)
     manager.close()
 
 Bases are the training loop's stock dist checkpoints; the diff log runs continuously across them,
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import recovery
+from megatron_diffckpt import recovery, retention
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.patches import optimizer_step
@@ -83,6 +84,7 @@ class DiffCheckpointManager:
         coords: tuple[int, int, int],
     ):
         self.config = config
+        self.save_dir = save_dir
         self.dir = config.dir or os.path.join(save_dir, "diffckpt")
         self.optimizer = optimizer
         self.rng_tracker = rng_tracker
@@ -137,6 +139,16 @@ class DiffCheckpointManager:
             iteration, scheduler_steps, consumed_samples, self.rng_tracker
         )
         self.writer.append(record)
+
+    def on_base_published(self, iteration: int) -> None:
+        """A base of ``iteration`` is published: apply retention. All ranks, after the tracker
+        moved (rank 0 prunes bases, every rank its own differentials)."""
+        keep = self.config.keep_bases
+        if keep < 1:
+            return
+        if torch.distributed.get_rank() == 0:
+            retention.prune_bases(self.save_dir, keep)
+        retention.prune_diff_log(self.save_dir, self.rank_dir, keep)
 
     @property
     def durable_iteration(self) -> int:

@@ -91,9 +91,11 @@ def _sharded_state_dict(
 class Checkpointer:
     """Saves and loads the example's state; owns the async-save queue."""
 
-    def __init__(self, save_dir: str | None, async_save: bool):
+    def __init__(self, save_dir: str | None, async_save: bool, on_published=None):
+        """``on_published(iteration)`` runs on all ranks once a save is published."""
         self.save_dir = save_dir
         self.async_save = async_save
+        self.on_published = on_published
         self._queue = AsyncCallsQueue() if async_save else None
 
     def save(self, model, optimizer, scheduler, iteration: int, consumed: int) -> float:
@@ -120,6 +122,9 @@ class Checkpointer:
             if torch.distributed.get_rank() == 0:
                 publish_iteration(self.save_dir, iteration)
             logger.info("saved checkpoint from iteration %d to %s", iteration, self.save_dir)
+            if self.on_published is not None:
+                torch.distributed.barrier()  # every rank sees the new tracker
+                self.on_published(iteration)
 
         if request is None:
             torch.distributed.barrier()

@@ -17,7 +17,7 @@ mkdir -p "$out"
 ckpt="$out/checkpoints"
 show() { grep --line-buffered -E "^\[rank0\].*(iteration +[0-9]*[05]/|checkpoint (of|from|to)|recover|replayed|CPU mode)" || true; }
 job=(--train-iters "$iters" --log-interval 1 --save "$ckpt" --save-interval 10 --async-save
-     --diffckpt-mode lowdiff --diffckpt-batch-size 1)
+     --diffckpt-mode lowdiff --diffckpt-batch-size 1 --diffckpt-keep-bases 2)
 
 echo "== 1. reference: $iters iterations without interruption =="
 "$here/run_local.sh" --train-iters "$iters" --log-interval 1 --dump-state "$out/reference" \
@@ -45,6 +45,9 @@ echo
 echo "== 3. restart: load the base, replay the differentials, finish =="
 "$here/run_local.sh" "${job[@]}" --load "$ckpt" --dump-state "$out/recovered" \
     2>&1 | tee "$out/recovered.log" | show
+
+echo "after the run (retention keeps 2 bases and the differentials after the older one):"
+"$python" -m megatron_diffckpt.cli inspect "$ckpt" | sed 's/^/  /'
 
 echo
 echo "== summary =="

@@ -339,7 +339,9 @@ def main(argv=None) -> int:
                 scheduler.step(increment=0)  # the LR the next iteration uses
                 consumed = replayed_consumed
             logger.info("recovered to iteration %d", iteration)
-    checkpointer = Checkpointer(args.save, args.async_save)
+    checkpointer = Checkpointer(
+        args.save, args.async_save, manager.on_base_published if manager else None
+    )
     if manager is not None:
         manager.start(iteration)
 

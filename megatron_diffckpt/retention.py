@@ -1,0 +1,86 @@
+"""Retention: keep the newest K complete bases and the differentials that can still be replayed.
+
+A differential of iteration i is useful only after a kept base at or before i. Once the newest K
+complete bases are ``b_1 < ... < b_K``, bases older than ``b_1``, incomplete base folders older than
+the newest complete base (debris of interrupted saves), and every segment whose last iteration is
+at or before ``b_1`` can go. The base the tracker names, and anything newer, is never touched.
+
+Collective rule: every rank calls :func:`prune_diff_log` for its own folder; rank 0 alone calls
+:func:`prune_bases`. Call them only after the newest base is published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+from megatron_diffckpt.checkpoint_layout import (
+    COMPLETE_MARKER,
+    CheckpointNotFoundError,
+    find_latest_iteration,
+)
+from megatron_diffckpt.storage.reader import list_segments
+
+logger = logging.getLogger(__name__)
+
+_BASE_RE = re.compile(r"^iter_(\d{7})$")
+
+
+def complete_bases(root: str) -> list[int]:
+    """Iterations of the complete bases in ``root``, oldest first."""
+    out = []
+    for name in os.listdir(root):
+        m = _BASE_RE.match(name)
+        if m and os.path.isfile(os.path.join(root, name, COMPLETE_MARKER)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def oldest_kept_base(root: str, keep: int) -> int | None:
+    """The oldest base retention keeps, or ``None`` when nothing may be pruned."""
+    if keep < 1:
+        return None
+    try:
+        latest = find_latest_iteration(root)
+    except CheckpointNotFoundError:
+        return None
+    bases = [b for b in complete_bases(root) if b <= latest]
+    return bases[-keep] if len(bases) >= keep else None
+
+
+def prune_bases(root: str, keep: int) -> list[str]:
+    """Remove base folders older than the oldest kept one. Rank 0 only. Returns what it removed."""
+    oldest = oldest_kept_base(root, keep)
+    if oldest is None:
+        return []
+    removed = []
+    for name in sorted(os.listdir(root)):
+        m = _BASE_RE.match(name)
+        if m and int(m.group(1)) < oldest:
+            shutil.rmtree(os.path.join(root, name))
+            removed.append(name)
+    if removed:
+        logger.info("retention (keep %d bases): removed %s", keep, ", ".join(removed))
+    return removed
+
+
+def prune_diff_log(root: str, rank_dir: str, keep: int) -> list[str]:
+    """Remove this rank's segments that no kept base can replay. Any rank, its own folder."""
+    oldest = oldest_kept_base(root, keep)
+    if oldest is None:
+        return []
+    removed = []
+    for _, last, path in list_segments(rank_dir):
+        if last <= oldest:
+            os.remove(path)
+            removed.append(os.path.basename(path))
+    if removed:
+        logger.info(
+            "retention: removed %d segment(s) at or before base %d from %s",
+            len(removed),
+            oldest,
+            os.path.basename(rank_dir),
+        )
+    return removed
