@@ -141,8 +141,10 @@ class DiffCheckpointManager:
         self.writer.append(record)
 
     def on_base_published(self, iteration: int) -> None:
-        """A base of ``iteration`` is published: apply retention. All ranks, after the tracker
-        moved (rank 0 prunes bases, every rank its own differentials)."""
+        """A base of ``iteration`` is published: durability counts from it, and retention applies.
+        All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
+        if self.writer is not None:
+            self.writer.rebase(iteration)
         keep = self.config.keep_bases
         if keep < 1:
             return

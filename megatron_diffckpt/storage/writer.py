@@ -5,9 +5,9 @@ become one segment, which a background thread serialises to ``<name>.tmp``, fsyn
 final name and fsyncs the directory: only then do its iterations count as durable. The loop never
 waits on storage unless it asks to (:meth:`DiffLogWriter.flush`) or the bounded backlog is full and
 the policy is ``"block"``; with ``"skip"`` the batch is dropped instead, a warning names the lost
-iterations, and durability stops advancing until :meth:`DiffLogWriter.restart_chain` is called after
-the next base (a chain with a gap cannot be replayed past it). Errors of the background thread are
-raised by the next call from the training loop, never swallowed.
+iterations, and durability stops advancing at the gap (a chain cannot be replayed past it) until
+:meth:`DiffLogWriter.rebase` names a base published after the gap. Errors of the background
+thread are raised by the next call from the training loop, never swallowed.
 
 Any rank, no collectives: each rank writes only its own folder.
 """
@@ -97,8 +97,8 @@ class DiffLogWriter:
         self._error: BaseException | None = None
         self._chain_start = chain_start
         self._next_iteration = chain_start + 1
-        self._durable = chain_start
-        self._chain_broken = False
+        # Published segments after the chain start, in write order; durability derives from them.
+        self._written: list[tuple[int, int]] = []
         self._thread = threading.Thread(target=self._run, name="diffckpt-writer", daemon=True)
         self._thread.start()
 
@@ -109,7 +109,12 @@ class DiffLogWriter:
         """The newest iteration whose record, and all before it back to the chain start, is on
         disk (fsynced and published)."""
         with self._lock:
-            return self._durable
+            durable = self._chain_start
+            for first, last in self._written:
+                if first > durable + 1:
+                    break  # a gap: nothing after it counts
+                durable = max(durable, last)
+            return durable
 
     def append(self, record: DiffRecord) -> None:
         """Take ownership of ``record`` (its tensors must not change afterwards)."""
@@ -135,17 +140,15 @@ class DiffLogWriter:
         self._raise_background_error()
         return self.durable_iteration
 
-    def restart_chain(self, base_iteration: int) -> None:
-        """A new base exists at ``base_iteration``: the next record is ``base_iteration + 1``.
+    def rebase(self, base_iteration: int) -> None:
+        """A base of ``base_iteration`` is published: durability now counts from it.
 
-        Pending records are flushed first; this also mends a chain broken by skipped batches.
+        Records after it that were written still count; a gap before it no longer matters. The
+        training loop's order of records is unchanged. Any time, from the training loop.
         """
-        self.flush()
         with self._lock:
             self._chain_start = base_iteration
-            self._durable = base_iteration
-            self._chain_broken = False
-        self._next_iteration = base_iteration + 1
+            self._written = [(f, last) for f, last in self._written if last > base_iteration]
 
     def close(self) -> None:
         """Flush and stop the background thread. Idempotent."""
@@ -165,8 +168,6 @@ class DiffLogWriter:
             try:
                 self._queue.put_nowait(batch)
             except queue.Full:
-                with self._lock:
-                    self._chain_broken = True
                 self.stats.skipped_records += len(batch)
                 logger.warning(
                     "diff log %s: storage fell behind, iterations %d-%d were NOT written; "
@@ -215,8 +216,8 @@ class DiffLogWriter:
         os.replace(tmp, final)
         fsync_dir(self.dir)
         with self._lock:
-            if not self._chain_broken and first == self._durable + 1:
-                self._durable = last
+            if last > self._chain_start:
+                self._written.append((first, last))
         self.stats.segments += 1
         self.stats.records += len(batch)
         self.stats.bytes_written += n

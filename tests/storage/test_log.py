@@ -166,11 +166,16 @@ def test_skip_policy_drops_batches_says_so_and_stops_durability(tmp_path, monkey
     assert "were NOT written" in caplog.text
     stall.release.set()
     w.flush()
-    assert w.durable_iteration < 5  # the gap holds durability back
-    w.restart_chain(10)  # a new base at iteration 10 mends the chain
-    w.append(_record(11))
-    assert w.flush() == 11
+    held = w.durable_iteration
+    assert held < 5  # the gap holds durability back
+    for it in range(6, 9):
+        w.append(_record(it))
+        assert w.flush() == held  # written after the gap, so they do not count yet
+    w.rebase(5)  # a base of iteration 5 is published: the chain restarts there
+    assert w.durable_iteration == 8
     w.close()
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=5)
+    assert [r.iteration for r in scan.records] == [6, 7, 8]
 
 
 def test_block_policy_waits_and_loses_nothing(tmp_path, monkeypatch):
