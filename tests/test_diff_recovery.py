@@ -78,6 +78,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     psutil.wait_procs(victims, timeout=30)
+    proc.stdout.close()
 
 
 @pytest.mark.distributed

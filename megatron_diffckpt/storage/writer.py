@@ -95,10 +95,11 @@ class DiffLogWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._chain_start = chain_start
         self._next_iteration = chain_start + 1
-        # Published segments after the chain start, in write order; durability derives from them.
-        self._written: list[tuple[int, int]] = []
+        # The chain: every iteration in (base, _durable] is published. Segments published beyond a
+        # gap (a skipped batch) wait in _after_gap until a rebase() or the gap's filling joins them.
+        self._durable = chain_start
+        self._after_gap: list[tuple[int, int]] = []
         self._thread = threading.Thread(target=self._run, name="diffckpt-writer", daemon=True)
         self._thread.start()
 
@@ -109,12 +110,7 @@ class DiffLogWriter:
         """The newest iteration whose record, and all before it back to the chain start, is on
         disk (fsynced and published)."""
         with self._lock:
-            durable = self._chain_start
-            for first, last in self._written:
-                if first > durable + 1:
-                    break  # a gap: nothing after it counts
-                durable = max(durable, last)
-            return durable
+            return self._durable
 
     def append(self, record: DiffRecord) -> None:
         """Take ownership of ``record`` (its tensors must not change afterwards)."""
@@ -147,8 +143,16 @@ class DiffLogWriter:
         training loop's order of records is unchanged. Any time, from the training loop.
         """
         with self._lock:
-            self._chain_start = base_iteration
-            self._written = [(f, last) for f, last in self._written if last > base_iteration]
+            if base_iteration > self._durable:
+                self._durable = base_iteration
+            self._after_gap = [(f, last) for f, last in self._after_gap if last > base_iteration]
+            self._absorb()
+
+    def _absorb(self) -> None:
+        """Extend the chain by the segments that now follow it (the caller holds the lock)."""
+        self._after_gap.sort()
+        while self._after_gap and self._after_gap[0][0] <= self._durable + 1:
+            self._durable = max(self._durable, self._after_gap.pop(0)[1])
 
     def close(self) -> None:
         """Flush and stop the background thread. Idempotent."""
@@ -216,8 +220,8 @@ class DiffLogWriter:
         os.replace(tmp, final)
         fsync_dir(self.dir)
         with self._lock:
-            if last > self._chain_start:
-                self._written.append((first, last))
+            self._after_gap.append((first, last))
+            self._absorb()
         self.stats.segments += 1
         self.stats.records += len(batch)
         self.stats.bytes_written += n

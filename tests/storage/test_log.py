@@ -200,6 +200,9 @@ def test_background_failure_reaches_the_training_loop(tmp_path, monkeypatch):
     assert "disk full" in str(exc.value.__cause__)
     with pytest.raises(RuntimeError):
         w.append(_record(2))
+    with pytest.raises(RuntimeError):
+        w.close()  # the failure is reported once more, and the thread stops
+    assert not w._thread.is_alive()
 
 
 _KILLED_WRITER = textwrap.dedent(
@@ -242,6 +245,7 @@ def test_sigkill_mid_write_leaves_every_durable_iteration_readable(tmp_path, del
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+        proc.stdout.close()
     last_reported = reported[-1]
 
     scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=0)
