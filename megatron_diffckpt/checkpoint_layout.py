@@ -11,10 +11,14 @@ Stock Megatron-LM reads the same tracker, so a directory written here loads ther
 from __future__ import annotations
 
 import os
+import re
+
+from megatron_diffckpt.durable_io import publish_file
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # dist_checkpointing writes this file in the save's finalize step, after every rank's data.
 COMPLETE_MARKER = "metadata.json"
+_BASE_RE = re.compile(r"^iter_(\d{7})$")
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -58,14 +62,14 @@ def find_latest_iteration(root: str) -> int:
 
 def publish_iteration(root: str, iteration: int) -> None:
     """Atomically point the tracker at ``iteration``; durable on return. One rank (rank 0)."""
-    tmp = os.path.join(root, TRACKER_FILENAME + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    publish_file(os.path.join(root, TRACKER_FILENAME), lambda f: f.write(str(iteration).encode()))
+
+
+def list_checkpoints(root: str) -> list[tuple[int, bool]]:
+    """``(iteration, complete)`` of every ``iter_NNNNNNN`` folder in ``root``, oldest first."""
+    out = []
+    for name in os.listdir(root):
+        m = _BASE_RE.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.isfile(os.path.join(root, name, COMPLETE_MARKER))))
+    return sorted(out)

@@ -20,11 +20,11 @@ from megatron_diffckpt.checkpoint_layout import (
     TRACKER_FILENAME,
     CheckpointNotFoundError,
     find_latest_iteration,
+    list_checkpoints,
 )
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import list_segments, read_segment, scan_rank_log
 
-_BASE_RE = re.compile(r"^iter_(\d{7})$")
 _RANK_RE = re.compile(r"^rank_(\d+)_(\d+)_(\d+)$")
 
 
@@ -37,16 +37,6 @@ class RankReport:
     last: int | None = None
     chain_end: int | None = None
     problems: list[str] = field(default_factory=list)
-
-
-def _bases(root: str) -> list[tuple[int, bool]]:
-    out = []
-    for name in sorted(os.listdir(root)):
-        m = _BASE_RE.match(name)
-        if m:
-            complete = os.path.isfile(os.path.join(root, name, COMPLETE_MARKER))
-            out.append((int(m.group(1)), complete))
-    return out
 
 
 def _diff_dir(root: str, diff_dir: str | None) -> str:
@@ -96,7 +86,7 @@ def inspect_dir(root: str, diff_dir: str | None = None) -> dict:
     return {
         "root": root,
         "latest_base": latest,
-        "bases": [{"iteration": i, "complete": c} for i, c in _bases(root)],
+        "bases": [{"iteration": i, "complete": c} for i, c in list_checkpoints(root)],
         "diff_log": ddir if os.path.isdir(ddir) else None,
         "ranks": [r.__dict__ for r in ranks],
         "recoverable_iteration": recoverable,
@@ -112,7 +102,7 @@ def verify_dir(root: str, diff_dir: str | None = None) -> tuple[list[str], list[
         find_latest_iteration(root)
     except CheckpointNotFoundError as exc:
         problems.append(str(exc))
-    for iteration, complete in _bases(root):
+    for iteration, complete in list_checkpoints(root):
         if not complete:
             notes.append(
                 f"iter_{iteration:07d}: incomplete (no {COMPLETE_MARKER}), left by an interrupted "

@@ -29,6 +29,7 @@ import torch
 from megatron_diffckpt import recovery, retention
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.config import DiffCkptConfig
+from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.patches import optimizer_step
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import scan_rank_log
@@ -53,11 +54,8 @@ def _run_id(diff_dir: str) -> str:
     path = os.path.join(diff_dir, RUN_ID_FILE)
     if torch.distributed.get_rank() == 0 and not os.path.exists(path):
         os.makedirs(diff_dir, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"run_id": uuid.uuid4().hex}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        run = json.dumps({"run_id": uuid.uuid4().hex}).encode()
+        publish_file(path, lambda f: f.write(run))
     torch.distributed.barrier()
     with open(path) as f:
         return json.load(f)["run_id"]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.capture import replay_record, restore_rng
+from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
@@ -22,7 +23,6 @@ from megatron_diffckpt.storage.format import (
     write_segment,
 )
 from megatron_diffckpt.storage.reader import RankLogScan, list_segments, read_segment
-from megatron_diffckpt.storage.writer import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +80,7 @@ def truncate_log(rank_dir: str, scan: RankLogScan, iteration: int) -> None:
                     old.header.identity, old.header.compressor, first, iteration, len(prefix)
                 )
                 final = os.path.join(rank_dir, segment_filename(first, iteration))
-                with open(final + ".tmp", "wb") as f:
-                    write_segment(f, header, prefix)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(final + ".tmp", final)
+                publish_file(final, lambda f, h=header, p=prefix: write_segment(f, h, p))
         os.remove(path)
         logger.info(
             "diff log: removed %s (after the recovered iteration %d)",

@@ -13,29 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 
 from megatron_diffckpt.checkpoint_layout import (
-    COMPLETE_MARKER,
     CheckpointNotFoundError,
+    checkpoint_dir,
     find_latest_iteration,
+    list_checkpoints,
 )
 from megatron_diffckpt.storage.reader import list_segments
 
 logger = logging.getLogger(__name__)
-
-_BASE_RE = re.compile(r"^iter_(\d{7})$")
-
-
-def complete_bases(root: str) -> list[int]:
-    """Iterations of the complete bases in ``root``, oldest first."""
-    out = []
-    for name in os.listdir(root):
-        m = _BASE_RE.match(name)
-        if m and os.path.isfile(os.path.join(root, name, COMPLETE_MARKER)):
-            out.append(int(m.group(1)))
-    return sorted(out)
 
 
 def oldest_kept_base(root: str, keep: int) -> int | None:
@@ -46,7 +34,7 @@ def oldest_kept_base(root: str, keep: int) -> int | None:
         latest = find_latest_iteration(root)
     except CheckpointNotFoundError:
         return None
-    bases = [b for b in complete_bases(root) if b <= latest]
+    bases = [i for i, complete in list_checkpoints(root) if complete and i <= latest]
     return bases[-keep] if len(bases) >= keep else None
 
 
@@ -56,11 +44,11 @@ def prune_bases(root: str, keep: int) -> list[str]:
     if oldest is None:
         return []
     removed = []
-    for name in sorted(os.listdir(root)):
-        m = _BASE_RE.match(name)
-        if m and int(m.group(1)) < oldest:
-            shutil.rmtree(os.path.join(root, name))
-            removed.append(name)
+    for iteration, _ in list_checkpoints(root):
+        if iteration < oldest:
+            path = checkpoint_dir(root, iteration)
+            shutil.rmtree(path)
+            removed.append(os.path.basename(path))
     if removed:
         logger.info("retention (keep %d bases): removed %s", keep, ", ".join(removed))
     return removed

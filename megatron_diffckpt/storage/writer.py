@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
@@ -44,14 +45,6 @@ class WriterStats:
     write_seconds: float = 0.0
     blocked_seconds: float = 0.0
     skipped_records: int = 0
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DiffLogWriter:
@@ -212,13 +205,7 @@ class DiffLogWriter:
         first, last = batch[0].iteration, batch[-1].iteration
         header = SegmentHeader(self.identity, self.compressor, first, last, len(batch))
         final = os.path.join(self.dir, segment_filename(first, last))
-        tmp = final + ".tmp"
-        with open(tmp, "wb") as f:
-            n = write_segment(f, header, batch)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(self.dir)
+        n = publish_file(final, lambda f: write_segment(f, header, batch))
         with self._lock:
             self._after_gap.append((first, last))
             self._absorb()
