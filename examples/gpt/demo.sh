@@ -24,10 +24,13 @@ echo "== 1. reference: $iters iterations without interruption =="
     2>&1 | tee "$out/reference.log" | show
 
 echo
-echo "== 2. LowDiff training; one rank gets SIGKILL at iteration $kill_at =="
+echo "== 2. LowDiff training; one rank gets SIGKILL at iteration $kill_at (or, if later, once the first base is published) =="
 "$here/run_local.sh" "${job[@]}" > "$out/crashed.log" 2>&1 &
 launcher=$!
-until grep -qE "iteration +$kill_at/" "$out/crashed.log" 2>/dev/null; do
+# Kill once iteration $kill_at has run and the first base is published (before it, there is
+# nothing to recover from: --load would refuse the folder).
+until grep -qE "iteration +$kill_at/" "$out/crashed.log" 2>/dev/null \
+        && grep -q "saved checkpoint from iteration 10 " "$out/crashed.log"; do
     kill -0 "$launcher" 2>/dev/null || { tail -30 "$out/crashed.log"; exit 1; }
     sleep 0.05
 done
@@ -52,7 +55,7 @@ echo "after the run (retention keeps 2 bases and the differentials after the old
 echo
 echo "== summary =="
 recovered="$(grep -oE "recovered to iteration [0-9]+" "$out/recovered.log" | grep -oE "[0-9]+$")"
-echo "killed at iteration $kill_at; recovered to iteration $recovered (base $(grep -oE "base at iteration [0-9]+" "$out/recovered.log" | grep -oE "[0-9]+$") + $(grep -oE "[0-9]+ differential\(s\)" "$out/recovered.log" | grep -oE "^[0-9]+") differentials)"
+echo "killed after iteration $(grep -oE "iteration +[0-9]+/" "$out/crashed.log" | tail -1 | grep -oE "[0-9]+"); recovered to iteration $recovered (base $(grep -oE "base at iteration [0-9]+" "$out/recovered.log" | grep -oE "[0-9]+$") + $(grep -oE "[0-9]+ differential\(s\)" "$out/recovered.log" | grep -oE "^[0-9]+") differentials)"
 loss() { grep -hE "iteration +$1/" "$2" | sed -E 's/.*lm loss: ([^ ]+).*/\1/' | head -1; }
 echo "lm loss: iteration 5 $(loss 5 "$out/reference.log") -> iteration $iters $(loss "$iters" "$out/reference.log")"
 "$python" - "$out/reference" "$out/recovered" <<'PY'
