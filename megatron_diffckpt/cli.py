@@ -23,7 +23,12 @@ from megatron_diffckpt.checkpoint_layout import (
     list_checkpoints,
 )
 from megatron_diffckpt.storage.format import SegmentIdentity
-from megatron_diffckpt.storage.reader import list_segments, read_segment, scan_rank_log
+from megatron_diffckpt.storage.reader import (
+    list_segments,
+    read_segment,
+    read_segment_header,
+    scan_rank_log,
+)
 
 _RANK_RE = re.compile(r"^rank_(\d+)_(\d+)_(\d+)$")
 
@@ -46,9 +51,9 @@ def _diff_dir(root: str, diff_dir: str | None) -> str:
 def _rank_identity(rank_dir: str) -> SegmentIdentity | None:
     """The identity this rank's folder is expected to hold: that of its first readable header."""
     for _, _, path in list_segments(rank_dir):
-        scan = read_segment(path)
-        if scan.header is not None:
-            return scan.header.identity
+        header = read_segment_header(path)
+        if header is not None:
+            return header.identity
     return None
 
 

@@ -22,7 +22,7 @@ from megatron_diffckpt.storage.format import (
     segment_filename,
     write_segment,
 )
-from megatron_diffckpt.storage.reader import RankLogScan, list_segments, read_segment
+from megatron_diffckpt.storage.reader import RankLogScan, list_segments, read_segment_header
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,10 @@ def truncate_log(rank_dir: str, scan: RankLogScan, iteration: int) -> None:
         if last <= iteration:
             continue
         if first <= iteration:
-            old = read_segment(path)
+            old = read_segment_header(path)
             prefix = [kept[i] for i in range(first, iteration + 1) if i in kept]
-            if old.header is not None and len(prefix) == iteration - first + 1:
-                header = SegmentHeader(
-                    old.header.identity, old.header.compressor, first, iteration, len(prefix)
-                )
+            if old is not None and len(prefix) == iteration - first + 1:
+                header = SegmentHeader(old.identity, old.compressor, first, iteration, len(prefix))
                 final = os.path.join(rank_dir, segment_filename(first, iteration))
                 publish_file(final, lambda f, h=header, p=prefix: write_segment(f, h, p))
         os.remove(path)

@@ -72,6 +72,15 @@ def read_segment(path: str, identity: SegmentIdentity | None = None) -> SegmentS
     return scan
 
 
+def read_segment_header(path: str) -> SegmentHeader | None:
+    """The segment's header alone (its records are not read), or ``None`` when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return read_header(f)
+    except (DiffLogFormatError, OSError):
+        return None
+
+
 def list_segments(rank_dir: str) -> list[tuple[int, int, str]]:
     """``(first, last, path)`` of the published segments in ``rank_dir``, by first iteration."""
     if not os.path.isdir(rank_dir):
