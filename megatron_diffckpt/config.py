@@ -14,6 +14,7 @@ from typing import Any
 
 MODES = ("off", "lowdiff")
 WHEN_FULL = ("block", "skip")
+COMPRESSORS = ("none", "topk")
 
 
 @dataclass
@@ -43,6 +44,14 @@ class DiffCkptConfig:
     keep_bases: int = 0
     """Newest complete bases to keep, with the differentials they can replay; 0 keeps all."""
 
+    compressor: str = "none"
+    """Data-parallel gradient exchange: none (megatron's dense reduction) or topk (top-k per
+    bucket with error feedback; the optimizer input, and so each differential, is sparse).
+    Applies with --diffckpt-mode off too (compressed training without checkpoints)."""
+
+    topk_ratio: float = 0.01
+    """Fraction of each bucket's entries every rank sends with --diffckpt-compressor topk."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
@@ -56,6 +65,12 @@ class DiffCkptConfig:
         for name in ("full_interval", "keep_bases"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be >= 0")
+        if self.compressor not in COMPRESSORS:
+            raise ValueError(
+                f"--diffckpt-compressor must be one of {COMPRESSORS}, got {self.compressor!r}"
+            )
+        if not 0.0 < self.topk_ratio <= 1.0:
+            raise ValueError(f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}")
 
     @property
     def enabled(self) -> bool:
@@ -66,9 +81,9 @@ class DiffCkptConfig:
         """Add one ``--diffckpt-<field>`` flag per field to ``parser``."""
         group = parser.add_argument_group("differential checkpointing (megatron-diffckpt)")
         docs = _field_docs(cls)
-        choices = {"mode": MODES, "when_full": WHEN_FULL}
+        choices = {"mode": MODES, "when_full": WHEN_FULL, "compressor": COMPRESSORS}
         for f in fields(cls):
-            kind = {"int": int, "str": str, "str | None": str}[str(f.type)]
+            kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
             group.add_argument(
                 f"--diffckpt-{f.name.replace('_', '-')}",
                 dest=f"diffckpt_{f.name}",

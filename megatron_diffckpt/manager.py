@@ -28,6 +28,7 @@ import torch
 
 from megatron_diffckpt import recovery, retention
 from megatron_diffckpt.capture import GradShardCapture
+from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.patches import optimizer_step
@@ -123,7 +124,7 @@ class DiffCheckpointManager:
         self.writer = DiffLogWriter(
             self.dir,
             self.identity,
-            "none",
+            make_compressor(self.config.compressor, self.config.topk_ratio).name,
             batch_size=self.config.batch_size,
             max_pending=self.config.max_pending,
             when_full=self.config.when_full,

@@ -38,6 +38,10 @@ def test_defaults_and_values():
         "skip",
         "--diffckpt-dir",
         "/x",
+        "--diffckpt-compressor",
+        "topk",
+        "--diffckpt-topk-ratio",
+        "0.05",
     )
     assert (c.mode, c.batch_size, c.when_full, c.dir, c.enabled) == (
         "lowdiff",
@@ -46,6 +50,7 @@ def test_defaults_and_values():
         "/x",
         True,
     )
+    assert (c.compressor, c.topk_ratio) == ("topk", 0.05)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +61,9 @@ def test_defaults_and_values():
         ({"max_pending": 0}, "--diffckpt-max-pending"),
         ({"when_full": "x"}, "--diffckpt-when-full"),
         ({"full_interval": -1}, "--diffckpt-full-interval"),
+        ({"compressor": "zip"}, "--diffckpt-compressor"),
+        ({"topk_ratio": 0.0}, "--diffckpt-topk-ratio"),
+        ({"topk_ratio": 1.5}, "--diffckpt-topk-ratio"),
     ],
 )
 def test_invalid_values_name_the_flag(kwargs, message):

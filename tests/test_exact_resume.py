@@ -16,13 +16,16 @@ TOTAL, STOP = 6, 3
 
 # (TP, PP, DP) on 2 processes; the other flags vary the set-up across the three layouts:
 # distributed optimizer with overlapped reduction and async save; distributed optimizer with sync
-# save; megatron's plain optimizer through the 1F1B pipeline schedule.
+# save; megatron's plain optimizer through the 1F1B pipeline schedule; top-k compressed exchange.
 LAYOUTS = {
     "tp1-pp1-dp2": "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "
     "--use-distributed-optimizer --overlap-grad-reduce --async-save",
     "tp2-pp1-dp1": "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 "
     "--use-distributed-optimizer",
     "tp1-pp2-dp1": "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2",
+    # The compressed exchange: its error-feedback residuals must travel with the checkpoint.
+    "tp1-pp1-dp2-topk": "--use-distributed-optimizer --overlap-grad-reduce "
+    "--diffckpt-compressor topk --diffckpt-topk-ratio 0.05",
 }
 
 

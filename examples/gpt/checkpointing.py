@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megatron_diffckpt.checkpoint_layout import (
@@ -33,6 +34,8 @@ logger = logging.getLogger("pretrain_gpt")
 
 # The distributed optimizer's format: fully parallel save and load, reshardable along DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# The compressed exchange's error-feedback residuals (local state no gradient can rebuild).
+RESIDUALS_KEY = "diffckpt_error_feedback"
 
 
 def _rng_state() -> dict:
@@ -69,13 +72,30 @@ def _sharded_rng_state() -> ShardedObject:
     )
 
 
+def _sharded_residuals(residuals) -> ShardedObject:
+    """This rank's error-feedback residuals: one object per (PP, TP, DP) rank, no replicas."""
+    coords = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    shape = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    return ShardedObject(RESIDUALS_KEY, residuals.state_dict(), shape, coords, replica_id=0)
+
+
 def _sharded_state_dict(
-    model, optimizer, scheduler, iteration: int, consumed: int, is_loading: bool
+    model, optimizer, scheduler, iteration: int, consumed: int, is_loading: bool, residuals=None
 ) -> dict:
     # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
     # them without: save and load through the wrapped module.
     model_sd = model.module.sharded_state_dict()
+    extra = {} if residuals is None else {RESIDUALS_KEY: _sharded_residuals(residuals)}
     return {
+        **extra,
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
@@ -91,11 +111,14 @@ def _sharded_state_dict(
 class Checkpointer:
     """Saves and loads the example's state; owns the async-save queue."""
 
-    def __init__(self, save_dir: str | None, async_save: bool, on_published=None):
-        """``on_published(iteration)`` runs on all ranks once a save is published."""
+    def __init__(self, save_dir: str | None, async_save: bool, on_published=None, residuals=None):
+        """``on_published(iteration)`` runs on all ranks once a save is published; ``residuals``
+        (:class:`~megatron_diffckpt.exchange.ErrorFeedbackResiduals`) are saved with every
+        checkpoint when given."""
         self.save_dir = save_dir
         self.async_save = async_save
         self.on_published = on_published
+        self.residuals = residuals
         self._queue = AsyncCallsQueue() if async_save else None
 
     def save(self, model, optimizer, scheduler, iteration: int, consumed: int) -> float:
@@ -110,7 +133,9 @@ class Checkpointer:
         if torch.distributed.get_rank() == 0:
             os.makedirs(ckpt, exist_ok=True)
         torch.distributed.barrier()
-        state = _sharded_state_dict(model, optimizer, scheduler, iteration, consumed, False)
+        state = _sharded_state_dict(
+            model, optimizer, scheduler, iteration, consumed, False, self.residuals
+        )
         request = dist_checkpointing.save(
             state,
             ckpt,
@@ -154,16 +179,36 @@ class Checkpointer:
             self._queue = None
 
     @staticmethod
-    def load(load_dir: str, model, optimizer, scheduler) -> tuple[int, int]:
+    def load(load_dir: str, model, optimizer, scheduler, residuals=None) -> tuple[int, int]:
         """Load the newest complete checkpoint of ``load_dir``. All ranks, collectively.
 
-        Returns ``(iteration, consumed_train_samples)``.
+        Returns ``(iteration, consumed_train_samples)``. ``residuals`` are loaded when the
+        checkpoint holds this rank's (same layout, saved with the compressed exchange); otherwise
+        they start from zero, with a warning: training goes on, but the gradient mass they held
+        is lost.
         """
         iteration = find_latest_iteration(load_dir)
         ckpt = checkpoint_dir(load_dir, iteration)
         start = time.perf_counter()
-        template = _sharded_state_dict(model, optimizer, scheduler, 0, 0, True)
-        state = dist_checkpointing.load(template, ckpt)
+        template = _sharded_state_dict(model, optimizer, scheduler, 0, 0, True, residuals)
+        if residuals is None:
+            state = dist_checkpointing.load(template, ckpt)
+        else:
+            # Only the residuals may be absent (a checkpoint of uncompressed training, or of
+            # another layout): a missing key anywhere else is an error.
+            state, unexpected, _ = dist_checkpointing.load(
+                template, ckpt, strict=StrictHandling.RETURN_UNEXPECTED
+            )
+            other = {k for k in unexpected if not k.startswith(RESIDUALS_KEY)}
+            if other:
+                raise RuntimeError(f"{ckpt} lacks {sorted(other)[:5]}")
+            if RESIDUALS_KEY in state:
+                residuals.load_state_dict(state[RESIDUALS_KEY])
+            else:
+                logger.warning(
+                    "%s holds no error-feedback residuals for this layout: they start from zero",
+                    ckpt,
+                )
         model.module.load_state_dict(state["model"])
         with torch.no_grad():  # the fp32 dp_reshardable optimizer state is copied in place
             optimizer.load_state_dict(state["optimizer"])

@@ -99,7 +99,11 @@ def initialize(args) -> None:
 
 
 def build_model_and_optimizer(args):
-    """GPTModel in megatron DDP, megatron's optimizer and LR scheduler. All ranks."""
+    """GPTModel in megatron DDP, megatron's optimizer and LR scheduler. All ranks.
+
+    With ``--diffckpt-compressor topk`` the DDP gradient reduction is the compressed exchange,
+    returned as the fourth value (its error-feedback residuals go into every checkpoint).
+    """
     from data import VOCAB_SIZE
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -147,6 +151,14 @@ def build_model_and_optimizer(args):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    exchange = None
+    if args.diffckpt.compressor == "topk":
+        from megatron_diffckpt.compression import TopKCompressor
+        from megatron_diffckpt.exchange import SparseAllReduce
+        from megatron_diffckpt.patches import grad_sync
+
+        exchange = SparseAllReduce(TopKCompressor(args.diffckpt.topk_ratio))
+        grad_sync.attach([model], exchange)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -183,7 +195,7 @@ def build_model_and_optimizer(args):
     if args.overlap_grad_reduce:
         config.grad_sync_func = model.start_grad_sync
     config.grad_scale_func = optimizer.scale_loss
-    return model, optimizer, scheduler
+    return model, optimizer, scheduler, exchange
 
 
 def _layer_spec():
@@ -297,7 +309,8 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model, optimizer, scheduler = build_model_and_optimizer(args)
+    model, optimizer, scheduler, exchange = build_model_and_optimizer(args)
+    residuals = exchange.residuals if exchange is not None else None
     num_params = sum(p.numel() for p in model.module.parameters())
     logger.info(
         "GPT: %d layers, hidden %d, %d heads, seq %d; TP=%d PP=%d DP=%d; "
@@ -331,7 +344,7 @@ def main(argv=None) -> int:
 
     iteration, consumed = 0, 0
     if args.load is not None:
-        iteration, consumed = Checkpointer.load(args.load, model, optimizer, scheduler)
+        iteration, consumed = Checkpointer.load(args.load, model, optimizer, scheduler, residuals)
         if manager is not None:
             iteration, scheduler_steps, replayed_consumed = manager.recover(iteration)
             if scheduler_steps is not None:
@@ -340,7 +353,7 @@ def main(argv=None) -> int:
                 consumed = replayed_consumed
             logger.info("recovered to iteration %d", iteration)
     checkpointer = Checkpointer(
-        args.save, args.async_save, manager.on_base_published if manager else None
+        args.save, args.async_save, manager.on_base_published if manager else None, residuals
     )
     if manager is not None:
         manager.start(iteration)

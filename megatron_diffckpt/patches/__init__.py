@@ -16,6 +16,7 @@ __all__ = ["TESTED_MEGATRON_CORE_VERSIONS", "MegatronDriftError", "MethodPatch",
 
 # Module names of every patch, for the drift test and for tools that list them.
 ALL_PATCHES = (
+    "megatron_diffckpt.patches.grad_sync",
     "megatron_diffckpt.patches.optimizer_step",
     "megatron_diffckpt.patches.torch_adam_state",
 )
