@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_diffckpt.checkpoint_layout import (
     checkpoint_dir,

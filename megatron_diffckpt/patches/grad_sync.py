@@ -120,7 +120,10 @@ def _make_start_grad_sync(group: Any, exchange: SparseAllReduce, keys: list[str]
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
         pending = exchange.start(
-            [(key, bucket.grad_data.view(-1)) for key, bucket in zip(keys, group.buckets)],
+            [
+                (key, bucket.grad_data.view(-1))
+                for key, bucket in zip(keys, group.buckets, strict=True)
+            ],
             process_group,
             average=config.average_in_collective,
             async_op=config.overlap_grad_reduce,
