@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint bench clean
 
 venv: $(STAMP)
 
@@ -18,18 +18,23 @@ $(STAMP): requirements/cpu.txt requirements/test.txt pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# The main job: tiny GPT on 2 CPU processes, stock checkpoint, stop, resume, finish.
+# The main job: tiny GPT on 2 CPU processes with LowDiff, SIGKILL of a rank, recovery, finish.
 demo: $(STAMP)
 	bash examples/gpt/demo.sh
 
 # The test suite (what .ci/run runs).
 test: $(STAMP)
-	$(VENV)/bin/ruff check megatron_diffckpt examples tests
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
 	$(VENV)/bin/python -m pytest tests
 
+# The benchmarks (about 15 minutes on 2 cores); results in benchmarks/results/.
+bench: $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -r requirements/bench.txt
+	$(VENV)/bin/python benchmarks/lowdiff_overhead.py
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check megatron_diffckpt examples tests
-	$(VENV)/bin/ruff format --check megatron_diffckpt examples tests
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/ruff format --check megatron_diffckpt examples tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -70,6 +70,7 @@ class GradShardCapture:
     def __init__(self) -> None:
         self._pending: dict[str, torch.Tensor] = {}
         self._groups: dict[str, list[float]] = {}
+        self._last_rng: dict[str, torch.Tensor] = {}
 
     def on_ready_grads(self, inner_index: int, torch_optimizer: torch.optim.Optimizer) -> None:
         """Copy the gradients and hyper-parameters the torch optimizer is about to use."""
@@ -102,7 +103,14 @@ class GradShardCapture:
         }
         rng_scalars, rng_tensors = capture_rng(rng_tracker)
         scalars.update(rng_scalars)
-        tensors.update(rng_tensors)
+        # A generator whose state did not change since the previous record is left out (on CPU
+        # each state is ~5 KB; most do not move every iteration). The first record this capture
+        # takes holds them all.
+        for name, state in rng_tensors.items():
+            last = self._last_rng.get(name)
+            if last is None or not torch.equal(last, state):
+                tensors[name] = state
+                self._last_rng[name] = state
         return DiffRecord(iteration, scalars, tensors)
 
 
@@ -117,7 +125,7 @@ def capture_rng(rng_tracker: Any) -> tuple[dict[str, Any], dict[str, torch.Tenso
     }
     tensors = {
         "rng.python": torch.tensor(py_state, dtype=torch.int64),
-        "rng.numpy": torch.from_numpy(np_keys.astype(np.int64)),
+        "rng.numpy": torch.from_numpy(np_keys.view(np.int32).copy()),  # uint32 bits
         "rng.torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -127,19 +135,34 @@ def capture_rng(rng_tracker: Any) -> tuple[dict[str, Any], dict[str, torch.Tenso
     return scalars, tensors
 
 
-def restore_rng(record: DiffRecord, rng_tracker: Any) -> None:
-    """Set every RNG to its state at the end of ``record``'s iteration."""
-    s, t = record.scalars, record.tensors
-    py_version, py_gauss = s["rng.python"]
-    random.setstate((py_version, tuple(t["rng.python"].tolist()), py_gauss))
-    np_name, np_pos, np_has_gauss, np_gauss = s["rng.numpy"]
-    np.random.set_state(
-        (np_name, t["rng.numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss)
-    )
-    torch.set_rng_state(t["rng.torch"].clone())
+def restore_rng(records: list[DiffRecord], rng_tracker: Any) -> None:
+    """Set every RNG to its state at the end of the last of ``records`` (a replayed chain).
+
+    A generator's state is the newest one the chain holds; one the chain never recorded has not
+    moved since the base, whose state is already loaded, and is left alone.
+    """
+    s = records[-1].scalars
+    t: dict[str, torch.Tensor] = {}
+    for record in records:
+        t.update({k: v for k, v in record.tensors.items() if k.startswith("rng.")})
+    if "rng.python" in t:
+        py_version, py_gauss = s["rng.python"]
+        random.setstate((py_version, tuple(t["rng.python"].tolist()), py_gauss))
+    if "rng.numpy" in t:
+        np_name, np_pos, np_has_gauss, np_gauss = s["rng.numpy"]
+        keys = t["rng.numpy"].numpy().astype(np.uint32)  # int32 bits (or int64) to uint32
+        np.random.set_state((np_name, keys, np_pos, np_has_gauss, np_gauss))
+    if "rng.torch" in t:
+        torch.set_rng_state(t["rng.torch"].clone())
     if "rng.cuda" in t and torch.cuda.is_available():
         torch.cuda.set_rng_state(t["rng.cuda"].clone())
-    rng_tracker.set_states({name: t[f"rng.tracker.{name}"].clone() for name in s["rng.tracker"]})
+    tracker = {
+        n: t[f"rng.tracker.{n}"].clone() for n in s["rng.tracker"] if f"rng.tracker.{n}" in t
+    }
+    if tracker:
+        states = rng_tracker.get_states()
+        states.update(tracker)
+        rng_tracker.set_states(states)
 
 
 def replay_record(optimizer: Any, record: DiffRecord) -> None:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
@@ -99,7 +100,9 @@ class DiffCheckpointManager:
         Returns ``(iteration, scheduler_steps, consumed_samples)``; the last two are ``None`` when
         there was nothing to replay (the base's own values stand).
         """
+        start = time.perf_counter()
         scan = scan_rank_log(self.rank_dir, self.identity, base_iteration)
+        read_s = time.perf_counter() - start
         for problem in scan.problems:
             logger.warning("diff log %s: %s", self.identity.dirname(), problem)
         target = recovery.agree_on_iteration(scan)
@@ -112,7 +115,14 @@ class DiffCheckpointManager:
             target,
             scan.last_iteration,
         )
+        start = time.perf_counter()
         last = recovery.replay(self.optimizer, records, self.rng_tracker)
+        logger.info(
+            "recovery: read the diff log in %.3f s, replayed %d differential(s) in %.3f s",
+            read_s,
+            len(records),
+            time.perf_counter() - start,
+        )
         if os.path.isdir(self.rank_dir):
             recovery.truncate_log(self.rank_dir, scan, target)
         if last is None:

@@ -58,7 +58,7 @@ def replay(
             )
     if not records:
         return None
-    restore_rng(records[-1], rng_tracker)
+    restore_rng(records, rng_tracker)
     return records[-1]
 
 

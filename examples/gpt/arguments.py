@@ -106,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="After training, write each rank's parameters, optimizer shard and losses to "
         "DIR/rank_<r>.pt (used by the exact-resume tests).",
     )
+    g.add_argument(
+        "--dump-state-at",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="ITER",
+        help="Also write the state as it is after these iterations (or as loaded, when --load "
+        "resumes at one of them) to DIR/iter_<ITER>/rank_<r>.pt; needs --dump-state DIR.",
+    )
     DiffCkptConfig.add_arguments(p)
     return p
 
@@ -172,6 +181,8 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         parser.error("--save-interval needs --save DIR")
     if args.async_save and args.save is None:
         parser.error("--async-save needs --save DIR")
+    if args.dump_state_at and args.dump_state is None:
+        parser.error("--dump-state-at needs --dump-state DIR")
     if args.mock_data and args.data_path:
         parser.error("--mock-data and --data-path exclude each other")
     if args.load is not None:

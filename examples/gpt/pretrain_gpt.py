@@ -300,6 +300,10 @@ def dump_state(path: str, model, optimizer, losses: list[float]) -> None:
     )
 
 
+def _dump_dir(args, iteration: int) -> str:
+    return os.path.join(args.dump_state, f"iter_{iteration:07d}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
@@ -352,6 +356,8 @@ def main(argv=None) -> int:
                 scheduler.step(increment=0)  # the LR the next iteration uses
                 consumed = replayed_consumed
             logger.info("recovered to iteration %d", iteration)
+    if iteration in args.dump_state_at:
+        dump_state(_dump_dir(args, iteration), model, optimizer, [])
     checkpointer = Checkpointer(
         args.save, args.async_save, manager.on_base_published if manager else None, residuals
     )
@@ -375,6 +381,8 @@ def main(argv=None) -> int:
     # Accumulated over the log interval, as Megatron-LM reports them.
     interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
     while iteration < args.train_iters:
+        # Elapsed time per iteration spans the whole loop body, checkpointing included (as
+        # Megatron-LM's); "checkpoint time" is the part a save blocked training.
         start = time.perf_counter()
         loss, grad_norm, was_skipped = train_step(
             args, model, optimizer, scheduler, data, forward_backward
@@ -384,9 +392,14 @@ def main(argv=None) -> int:
         skipped += int(was_skipped)
         if manager is not None:
             manager.end_iteration(iteration, scheduler.num_steps, consumed)
-        interval["time"] += time.perf_counter() - start
         loss_value = _broadcast_loss(loss)
         losses.append(loss_value)
+        checkpointer.finalize()
+        stop = args.exit_interval is not None and iteration % args.exit_interval == 0
+        due = args.base_interval is not None and iteration % args.base_interval == 0
+        if args.save is not None and (due or stop or iteration == args.train_iters):
+            interval["ckpt"] += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+        interval["time"] += time.perf_counter() - start
         interval["loss"] += loss_value
         interval["iters"] += 1
         if iteration % args.log_interval == 0:
@@ -409,11 +422,8 @@ def main(argv=None) -> int:
                 f" durable diff iteration: {manager.durable_iteration} |" if manager else "",
             )
             interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
-        checkpointer.finalize()
-        stop = args.exit_interval is not None and iteration % args.exit_interval == 0
-        due = args.base_interval is not None and iteration % args.base_interval == 0
-        if args.save is not None and (due or stop or iteration == args.train_iters):
-            interval["ckpt"] += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+        if iteration in args.dump_state_at:
+            dump_state(_dump_dir(args, iteration), model, optimizer, losses)
         if stop:
             logger.info(
                 "exiting at iteration %d (--exit-interval %d)", iteration, args.exit_interval

@@ -1,0 +1,317 @@
+"""LowDiff against no checkpointing and stock megatron saves, at per-iteration frequency.
+
+Run (from the repository root; ``make bench`` installs the plotting requirements first)::
+
+    .venv/bin/python benchmarks/lowdiff_overhead.py [--repeats 3] [--iters 20]
+
+Everything runs in one invocation on the same machine, the configurations interleaved round by
+round so that drift of the machine hits them alike. Each configuration trains the same GPT
+(``MODEL`` below) on 2 processes (CPU with gloo when there is no GPU), the distributed optimizer
+with overlapped gradient reduction:
+
+- ``dense``: megatron's dense gradient reduction, no checkpoints;
+- ``topk``: the top-k (1%) compressed exchange, no checkpoints: LowDiff's baseline;
+- ``lowdiff_b1`` / ``lowdiff_b8``: ``topk`` with a differential every iteration, written in
+  batches of 1 and 8 iterations;
+- ``stock_sync`` / ``stock_async``: ``topk`` with a stock ``dist_checkpointing`` save (model,
+  optimizer, residuals, RNG, scheduler) every iteration, synchronous and asynchronous.
+
+An iteration's time is the whole loop body (train step, differential hand-off, save), as the
+example logs it. Per run: the median over the measured iterations (the first ``WARMUP`` and the
+last, which ends with a save, are left out); per configuration: the median over runs. Overhead is
+against ``topk`` (for the ``dense`` row, the cost of compression is reported the same way).
+
+Bytes: the differential log's bytes per iteration and rank, against the compressed payload it
+carries (the values and int32 indices of the sparse gradient shard, read back from the log); a
+stock checkpoint's bytes per iteration and rank.
+
+Recovery: a base at iteration 1 and N differentials after it; new processes load the base and
+replay N differentials (the newest base of the run is withdrawn, as if the job died just before
+publishing it). Reported: base load, log read and replay times against N.
+
+Loss curves: ``dense`` and top-k 1% over a longer run of the demo's model on the shipped corpus.
+
+Results go to ``benchmarks/results/lowdiff_overhead.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from megatron_diffckpt.storage.reader import list_segments, read_segment  # noqa: E402
+
+PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
+RESULTS = REPO / "benchmarks" / "results"
+NPROC = 2
+WARMUP = 3
+RATIO = "0.01"
+
+# DESIGN.md's calibration model with the example's byte-level vocabulary.
+MODEL = (
+    "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 "
+    "--max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 8 "
+    "--lr 1e-3 --lr-warmup-iters 2 --use-distributed-optimizer --overlap-grad-reduce "
+    "--log-interval 1"
+).split()
+# The demo's model, for the loss curves.
+DEMO_MODEL = (
+    "--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 "
+    "--max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 16 "
+    "--lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 "
+    "--clip-grad 1.0 --use-distributed-optimizer --overlap-grad-reduce --log-interval 1"
+).split()
+
+TOPK = ["--diffckpt-compressor", "topk", "--diffckpt-topk-ratio", RATIO]
+NO_BASES = "100000"  # --diffckpt-full-interval: no base inside the measured window
+
+
+def configs(ckpt: str) -> dict[str, list[str]]:
+    lowdiff = [*TOPK, "--diffckpt-mode", "lowdiff", "--save", ckpt]
+    lowdiff += ["--diffckpt-full-interval", NO_BASES]
+    stock = [*TOPK, "--save", ckpt, "--save-interval", "1"]
+    return {
+        "dense": [],
+        "topk": TOPK,
+        "lowdiff_b1": [*lowdiff, "--diffckpt-batch-size", "1"],
+        "lowdiff_b8": [*lowdiff, "--diffckpt-batch-size", "8"],
+        "stock_sync": stock,
+        "stock_async": [*stock, "--async-save"],
+    }
+
+
+ITER_LINE = re.compile(
+    r"iteration +(\d+)/ *\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+) \|.*"
+    r"lm loss: ([\d.E+-]+)"
+)
+
+
+def run(args: list[str], log: Path) -> tuple[str, float]:
+    """Train with ``args`` on NPROC processes; the rank-0 log and the wall time."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={NPROC}", str(PRETRAIN_GPT), *args]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - start
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed; see {log}")
+    return proc.stdout + proc.stderr, wall
+
+
+def iteration_times(text: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) / 1000.0 for m in ITER_LINE.finditer(text)}
+
+
+def losses(text: str) -> dict[int, float]:
+    return {int(m[1]): float(m[3]) for m in ITER_LINE.finditer(text)}
+
+
+def diff_log_bytes(ckpt: Path, iters: int) -> dict[str, float]:
+    """Per rank and iteration: bytes on disk, and the sparse-gradient payload inside them."""
+    files, payload, ranks = 0, 0, 0
+    for rank_dir in sorted((ckpt / "diffckpt").glob("rank_*")):
+        ranks += 1
+        for _, _, path in list_segments(str(rank_dir)):
+            files += os.path.getsize(path)
+            for record in read_segment(path).records:
+                payload += sum(
+                    t.numel() * t.element_size() for k, t in record.tensors.items() if ":" in k
+                )
+    return {
+        "bytes_per_iteration_per_rank": files / ranks / iters,
+        "payload_per_iteration_per_rank": payload / ranks / iters,
+        "bytes_over_payload": files / payload,
+    }
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def measure_overhead(work: Path, repeats: int, iters: int) -> dict:
+    total = WARMUP + iters + 1
+    names = list(configs(""))
+    per_run: dict[str, list[float]] = {n: [] for n in names}
+    extra: dict[str, dict] = {}
+    for round_ in range(repeats):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            ckpt = work / f"ckpt_{name}"
+            shutil.rmtree(ckpt, ignore_errors=True)
+            args = [*MODEL, "--train-iters", str(total), *configs(str(ckpt))[name]]
+            text, _ = run(args, work / f"{name}_{round_}.log")
+            times = iteration_times(text)
+            window = [times[i] for i in range(WARMUP + 1, total)]
+            per_run[name].append(statistics.median(window))
+            print(f"round {round_ + 1}/{repeats} {name:12s} {per_run[name][-1] * 1000:8.1f} ms")
+            if round_ == 0 and name.startswith("lowdiff"):
+                extra[name] = diff_log_bytes(ckpt, total)
+            if round_ == 0 and name.startswith("stock"):
+                one = next(ckpt.glob("iter_*"))
+                extra[name] = {"bytes_per_iteration_per_rank": folder_bytes(one) / NPROC}
+    base = statistics.median(per_run["topk"])
+    rows = {}
+    for name in names:
+        med = statistics.median(per_run[name])
+        rows[name] = {
+            "iteration_s": med,
+            "runs_s": per_run[name],
+            "overhead_vs_topk": med / base - 1.0,
+            **extra.get(name, {}),
+        }
+    ld = rows["lowdiff_b1"]["overhead_vs_topk"]
+    summary = {
+        "lowdiff_b1_overhead": ld,
+        "lowdiff_b8_overhead": rows["lowdiff_b8"]["overhead_vs_topk"],
+        "stock_sync_over_lowdiff_b1": _ratio(rows["stock_sync"]["overhead_vs_topk"], ld),
+        "stock_async_over_lowdiff_b1": _ratio(rows["stock_async"]["overhead_vs_topk"], ld),
+        "compression_cost_dense_vs_topk": -rows["dense"]["overhead_vs_topk"],
+    }
+    return {"rows": rows, "summary": summary}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is within noise of zero (the ratio would be meaningless)."""
+    return a / b if b > 1e-3 else None
+
+
+def measure_recovery(work: Path, counts: list[int]) -> list[dict]:
+    ckpt = work / "ckpt_recovery"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    n_max = max(counts)
+    common = [*MODEL, *TOPK, "--train-iters", str(n_max + 1)]
+    # Base at iteration 1, then n_max differentials; the run's closing base is withdrawn.
+    run([*common, "--save", str(ckpt), "--exit-interval", "1"], work / "recovery_base.log")
+    lowdiff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
+    lowdiff += ["--diffckpt-full-interval", NO_BASES]
+    run([*common, *lowdiff], work / "recovery_train.log")
+    shutil.rmtree(ckpt / f"iter_{n_max + 1:07d}")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1")
+    results = []
+    for n in counts:
+        copy = work / f"ckpt_recovery_{n}"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        for rank_dir in (copy / "diffckpt").glob("rank_*"):
+            for first, _, path in list_segments(str(rank_dir)):
+                if first > 1 + n:
+                    os.remove(path)
+        args = [*common, *lowdiff[:2], "--save", str(copy), "--load", str(copy)]
+        args += ["--diffckpt-full-interval", NO_BASES, "--train-iters", "1"]
+        text, wall = run(args, work / f"recovery_{n}.log")
+        load = float(re.search(r"loaded checkpoint from .* in ([\d.]+) s", text)[1])
+        m = re.search(r"read the diff log in ([\d.]+) s, replayed (\d+) differential", text)
+        replay = float(re.search(r"replayed \d+ differential\(s\) in ([\d.]+) s", text)[1])
+        assert int(m[2]) == n, (n, m[0])
+        results.append(
+            {
+                "diffs": n,
+                "base_load_s": load,
+                "log_read_s": float(m[1]),
+                "replay_s": replay,
+                "restart_wall_s": wall,
+            }
+        )
+        print(f"recovery with {n:3d} diffs: load {load:.3f} s, replay {replay:.3f} s")
+        shutil.rmtree(copy)
+    return results
+
+
+def measure_loss_curves(work: Path, iters: int) -> dict[str, dict[int, float]]:
+    curves = {}
+    for name, flags in {"dense": [], f"topk {RATIO}": TOPK}.items():
+        text, _ = run([*DEMO_MODEL, "--train-iters", str(iters), *flags], work / "curve.log")
+        curves[name] = losses(text)
+        print(f"loss curve {name}: {curves[name][1]:.3f} -> {curves[name][iters]:.3f}")
+    return curves
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    rows = result["overhead"]["rows"]
+    names = list(rows)
+    ax = axes[0]
+    ax.bar(names, [rows[n]["iteration_s"] * 1000 for n in names], color="tab:blue")
+    for i, n in enumerate(names):
+        ax.text(i, rows[n]["iteration_s"] * 1000, f"{rows[n]['overhead_vs_topk']:+.1%}",
+                ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_ylabel("median iteration time (ms)")
+    ax.set_title("checkpoint every iteration (overhead vs topk)")
+    ax.tick_params(axis="x", rotation=30)
+    ax = axes[1]
+    rec = result["recovery"]
+    n = [r["diffs"] for r in rec]
+    ax.plot(n, [r["replay_s"] for r in rec], "o-", label="replay")
+    ax.plot(n, [r["base_load_s"] + r["log_read_s"] + r["replay_s"] for r in rec], "s-",
+            label="base load + log read + replay")  # fmt: skip
+    ax.set_xlabel("differentials replayed")
+    ax.set_ylabel("seconds")
+    ax.set_title("recovery time")
+    ax.legend()
+    ax = axes[2]
+    for name, curve in result["loss_curves"].items():
+        its = sorted(curve)
+        ax.plot(its, [curve[i] for i in its], label=name)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title("training loss, shipped corpus")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
+    parser.add_argument("--iters", type=int, default=20, help="measured iterations per run")
+    parser.add_argument("--recovery-diffs", type=int, nargs="+", default=[0, 10, 20, 40])
+    parser.add_argument("--curve-iters", type=int, default=120)
+    parser.add_argument("--work", type=str, default=None, help="scratch folder (default: temp)")
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="lowdiff_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    result = {
+        "command": "python benchmarks/lowdiff_overhead.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "model": " ".join(MODEL),
+        "processes": NPROC,
+        "topk_ratio": float(RATIO),
+        "repeats": args.repeats,
+        "measured_iterations": args.iters,
+        "overhead": measure_overhead(work, args.repeats, args.iters),
+        "recovery": measure_recovery(work, args.recovery_diffs),
+        "loss_curves": measure_loss_curves(work, args.curve_iters),
+    }
+    result["wall_s"] = time.time() - started
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "lowdiff_overhead.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / "lowdiff_overhead.png")
+    print(json.dumps(result["overhead"]["summary"], indent=2))
+    print(f"wrote {out} and {out.with_suffix('.png')} (logs in {work})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
