@@ -1,0 +1,140 @@
+"""The cost model and the (F, B) it chooses, checked against a failure simulation.
+
+The simulator (tests/failure_sim.py) plays training forward under Poisson failures without using
+the model's formulas; the model must predict its wall time per useful iteration within a few
+percent, and the tuner's (F, B) must, in the simulation, come within a few percent of the best
+setting of a brute-force grid, across failure rates and cost profiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from failure_sim import mean_wall_per_iteration
+
+from megatron_diffckpt.tuning import (
+    CostInputs,
+    full_checkpointing,
+    max_batch,
+    optimal_full_interval,
+    optimize,
+    plan,
+    wall_per_iteration,
+    write_s,
+)
+
+SEEDS = range(10)
+ITERATIONS = 8000
+
+# Cost profiles (seconds, bytes). "fast writer": every iteration durable is cheap. "slow writer":
+# one write costs more than an iteration, so B must grow. "interference": the writer shares the
+# training cores, so batching saves training time.
+BASE = dict(
+    iteration_s=1.0,
+    diff_s=0.02,
+    diff_bytes=1e6,
+    write_bandwidth=1e8,
+    write_latency_s=0.05,
+    base_stall_s=5.0,
+    base_load_s=10.0,
+    replay_s=0.05,
+    restart_s=60.0,
+)
+SCENARIOS = {
+    "fast-writer-mtbf-2h": CostInputs(**BASE, mtbf_s=7200),
+    "fast-writer-mtbf-30min": CostInputs(**BASE, mtbf_s=1800),
+    "fast-writer-mtbf-10min": CostInputs(**BASE, mtbf_s=600),
+    "slow-writer-mtbf-30min": CostInputs(**{**BASE, "write_latency_s": 3.0}, mtbf_s=1800),
+    "interference-mtbf-1h": CostInputs(
+        **{**BASE, "write_latency_s": 0.4, "write_interference": 0.5}, mtbf_s=3600
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_closed_form_interval_is_the_models_integer_optimum(name):
+    c = SCENARIOS[name]
+    for batch in (1, 4, 16):
+        f = optimal_full_interval(c, batch)
+        brute = min(range(1, int(4 * f) + 2), key=lambda n: wall_per_iteration(c, n, batch))
+        assert brute in (math.floor(f), math.ceil(f)), (batch, f, brute)
+
+
+def test_full_checkpointing_follows_youngs_interval_when_failures_are_rare():
+    c = CostInputs(**BASE, mtbf_s=30 * 24 * 3600)
+    young = math.sqrt(2 * c.base_stall_s * c.mtbf_s) / c.iteration_s  # in iterations
+    got = full_checkpointing(c).full_interval
+    assert abs(got - young) / young < 0.02, (got, young)
+    # Replay (r) is much cheaper than recomputing an iteration (a): the base interval grows by
+    # about sqrt(a / r).
+    ratio = optimize(c).full_interval / got
+    assert ratio == pytest.approx(math.sqrt(c.iteration_s / c.replay_s), rel=0.1)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_model_predicts_the_simulated_wall_time(name):
+    c = SCENARIOS[name]
+    best = optimize(c)
+    for f in (best.full_interval // 3, best.full_interval, 3 * best.full_interval):
+        for batch in sorted({1, best.batch_size, 8}):
+            predicted = plan(c, max(f, 1), batch).wall_per_iteration_s
+            simulated = mean_wall_per_iteration(c, max(f, 1), batch, ITERATIONS, SEEDS)
+            assert predicted == pytest.approx(simulated, rel=0.03), (f, batch)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_tuned_setting_is_within_two_percent_of_the_simulated_grid_optimum(name):
+    c = SCENARIOS[name]
+    best = optimize(c)
+    tuned = mean_wall_per_iteration(c, best.full_interval, best.batch_size, ITERATIONS, SEEDS)
+    grid = {
+        (max(1, round(best.full_interval * k)), b)
+        for k in (0.25, 0.5, 1.0, 2.0, 4.0)
+        for b in (1, 2, 4, 8, 16)
+    }
+    results = {fb: mean_wall_per_iteration(c, *fb, ITERATIONS, SEEDS) for fb in grid}
+    optimum = min(results.values())
+    assert tuned <= optimum * 1.02, (best, min(results, key=results.get), tuned, optimum)
+
+
+def test_slow_writer_forces_a_batch_that_keeps_up():
+    c = SCENARIOS["slow-writer-mtbf-30min"]
+    best = optimize(c)
+    produce = c.iteration_s + c.diff_s
+    assert write_s(c, best.batch_size) / best.batch_size <= produce
+    assert best.batch_size > 1
+    # Interference makes batching pay even when the writer keeps up.
+    assert optimize(SCENARIOS["interference-mtbf-1h"]).batch_size > 1
+    assert optimize(SCENARIOS["fast-writer-mtbf-30min"]).batch_size == 1
+
+
+def test_host_memory_budget_bounds_the_batch():
+    c = CostInputs(
+        **{**BASE, "write_latency_s": 3.0}, mtbf_s=1800, host_memory_budget=12e6, max_pending=2
+    )
+    assert max_batch(c) == 3  # (2 + 2) x B x 1 MB <= 12 MB
+    assert optimize(c).batch_size <= 3
+
+
+def test_more_failures_mean_shorter_intervals_and_more_overhead():
+    plans = [optimize(CostInputs(**BASE, mtbf_s=m)) for m in (86400, 7200, 1800, 600)]
+    intervals = [p.full_interval for p in plans]
+    overheads = [p.overhead for p in plans]
+    assert intervals == sorted(intervals, reverse=True)
+    assert overheads == sorted(overheads)
+    # LowDiff pays c0 every iteration, full checkpointing pays for failures: with one failure a
+    # day full checkpointing at its best interval is cheaper here; from one every 2 h, LowDiff.
+    full = [full_checkpointing(CostInputs(**BASE, mtbf_s=m)) for m in (86400, 7200, 1800, 600)]
+    assert plans[0].overhead > full[0].overhead
+    for p, f in zip(plans[1:], full[1:], strict=True):
+        assert p.overhead < f.overhead
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("iteration_s", 0.0), ("replay_s", -1.0), ("mtbf_s", 0.0), ("write_bandwidth", 0.0)],
+)
+def test_bad_inputs_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        CostInputs(**{**BASE, field: value})
