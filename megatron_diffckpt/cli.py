@@ -1,9 +1,11 @@
-"""``megatron-diffckpt``: inspect and verify a checkpoint folder with its diff log.
+"""``megatron-diffckpt``: inspect and verify a checkpoint folder with its diff log; plan at scale.
 
 Exit codes a script can rely on: 0 all good; 1 damage found (``verify``) or nothing recoverable
 (``inspect``); 2 bad usage or not a checkpoint folder.
 
-No megatron import: it reads the folder layout, the tracker and the diff log only.
+No megatron import: it reads the folder layout, the tracker and the diff log only. ``tune`` runs
+the cost model (:mod:`megatron_diffckpt.tuning`) on a job description
+(:mod:`megatron_diffckpt.scale_plan`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
@@ -22,6 +24,8 @@ from megatron_diffckpt.checkpoint_layout import (
     find_latest_iteration,
     list_checkpoints,
 )
+from megatron_diffckpt.config import field_docs
+from megatron_diffckpt.scale_plan import JobSpec, compare, expected_loss_hours
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import (
     list_segments,
@@ -146,6 +150,98 @@ def _print_inspect(info: dict) -> None:
     print(f"recoverable iteration T: {info['recoverable_iteration']}")
 
 
+GPU_SWEEP = (8, 32, 128, 512, 2048, 8192, 16384)
+
+
+def _add_tune_parser(sub) -> None:
+    p = sub.add_parser("tune", help="at-scale plan: F, B and overhead of LowDiff, LowDiff+, full")
+    docs = field_docs(JobSpec)
+    for f in fields(JobSpec):
+        p.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=type(f.default),
+            default=f.default,
+            help=f"{docs.get(f.name, '')} (default {f.default:g})",
+        )
+    p.add_argument("--train-days", type=float, default=54.0, help="failure-free training time")
+    p.add_argument("--sweep", action="store_true", help=f"also plan for {GPU_SWEEP} GPUs")
+    p.add_argument("--plot", default=None, help="write the sweep's plot to this PNG")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    spec = {f.name: getattr(args, f.name) for f in fields(JobSpec)}
+    try:
+        jobs = [JobSpec(**spec)]
+        if args.sweep or args.plot:
+            jobs += [
+                JobSpec(**{**spec, "gpus": g})
+                for g in GPU_SWEEP
+                if g != args.gpus and g % (args.tensor_parallel * args.pipeline_parallel) == 0
+            ]
+    except ValueError as exc:
+        print(f"megatron-diffckpt tune: {exc}", file=sys.stderr)
+        return 2
+    jobs.sort(key=lambda j: j.gpus)
+    hours = args.train_days * 24.0
+    rows = []
+    for job in jobs:
+        for strategy, plan in compare(job).items():
+            rows.append(
+                {
+                    "gpus": job.gpus,
+                    "mtbf_hours": job.mtbf_s / 3600.0,
+                    "strategy": strategy,
+                    "full_interval": plan.full_interval,
+                    "batch_size": plan.batch_size,
+                    "overhead": plan.overhead,
+                    "lost_hours": expected_loss_hours(job, plan, hours),
+                }
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(
+            f"{args.params / 1e9:g}B parameters, TP={args.tensor_parallel} "
+            f"PP={args.pipeline_parallel}, {args.iteration_s:g} s per iteration, "
+            f"{args.train_days:g} days of training; failures: one per "
+            f"{args.gpu_hours_per_failure:,.0f} GPU-hours"
+        )
+        print(f"{'GPUs':>6} {'MTBF h':>7}  {'strategy':18} {'F':>7} {'B':>4} {'overhead':>9} "
+              f"{'lost h':>8}")  # fmt: skip
+        for r in rows:
+            print(
+                f"{r['gpus']:>6} {r['mtbf_hours']:>7.2f}  {r['strategy']:18} "
+                f"{r['full_interval']:>7} {r['batch_size']:>4} {r['overhead']:>9.2%} "
+                f"{r['lost_hours']:>8.1f}"
+            )
+    if args.plot:
+        _plot_sweep(rows, args.plot)
+    return 0
+
+
+def _plot_sweep(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        gpus = [r["gpus"] for r in mine]
+        axes[0].plot(gpus, [100 * r["overhead"] for r in mine], "o-", label=strategy)
+        axes[1].plot(gpus, [r["full_interval"] for r in mine], "o-", label=strategy)
+    for ax, label in zip(axes, ("expected overhead (%)", "base interval F"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(label)
+        ax.legend()
+    axes[1].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-diffckpt", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
         if name == "inspect":
             p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_tune_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        return _tune(args)
     if not os.path.isdir(args.dir):
         print(f"megatron-diffckpt: {args.dir}: no such directory", file=sys.stderr)
         return 2

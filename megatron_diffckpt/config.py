@@ -80,7 +80,7 @@ class DiffCkptConfig:
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add one ``--diffckpt-<field>`` flag per field to ``parser``."""
         group = parser.add_argument_group("differential checkpointing (megatron-diffckpt)")
-        docs = _field_docs(cls)
+        docs = field_docs(cls)
         choices = {"mode": MODES, "when_full": WHEN_FULL, "compressor": COMPRESSORS}
         for f in fields(cls):
             kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
@@ -99,7 +99,7 @@ class DiffCkptConfig:
         return cls(**{f.name: getattr(args, f"diffckpt_{f.name}") for f in fields(cls)})
 
 
-def _field_docs(cls: type) -> dict[str, str]:
+def field_docs(cls: type) -> dict[str, str]:
     """The string literal under each field of ``cls`` (its attribute docstring)."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body

@@ -13,6 +13,7 @@ write), and on measured costs:
 ``write_interference`` :math:`\kappa`, share of the writer's busy time that slows training (0 when
                        the host has idle cores, as on GPU nodes)
 ``base_stall_s``       :math:`c_b`, training blocked per base (async staging)
+``base_persist_s``     :math:`p`, writing a base in the background after its staging
 ``base_load_s``        :math:`\ell`, loading a base at restart
 ``replay_s``           :math:`r`, replaying one differential
 ``restart_s``          :math:`R`, scheduler requeue, process start, initialisation
@@ -25,7 +26,9 @@ waits (``--diffckpt-when-full block``) for the difference. So one iteration cost
 
 .. math:: t(B) = a + c_0 + \kappa\,\frac{w(B)}{B} + \max\Big(0, \frac{w(B)}{B} - (a + c_0)\Big)
 
-and a base adds :math:`c_b / F` per iteration.
+and a base adds :math:`c_b(F)/F` per iteration, where
+:math:`c_b(F) = c_b + \max(0, p - F\,t(B))`: one base is persisted at a time, so a base whose
+predecessor is still being written waits for it.
 
 **Failures.** A failure at a uniformly random point costs the restart, the base load, the replay
 of the differentials since the newest base (on average about F/2 of them), and the iterations that
@@ -41,8 +44,8 @@ checks it):
 
 .. math:: W(F, B) = \frac{t(B) + c_b/F}{1 - \lambda\,C(F, B)}, \qquad \lambda C < 1.
 
-**Optimum in F** (exact for the model). With :math:`t = t(B)`, :math:`K = K(B)`, setting
-:math:`\partial W / \partial F = 0` gives
+**Optimum in F** (exact for the model where :math:`F t \ge p`). With :math:`t = t(B)`,
+:math:`K = K(B)`, setting :math:`\partial W / \partial F = 0` gives
 :math:`\tfrac{\lambda r t}{2} F^2 + \lambda r c_b F - c_b (1 - \lambda K) = 0`, so
 
 .. math:: F^*(B) = \frac{-\lambda r c_b
@@ -53,7 +56,8 @@ which for small :math:`\lambda` is Young's formula with replay in place of recom
 :math:`F^* \approx \sqrt{2 c_b / (\lambda r t)}`. Full checkpointing without differentials is the
 same model with recomputation instead of replay (:math:`r = t`, B = 1 and no write:
 :math:`F^* \approx \sqrt{2 c_b / (\lambda t^2)}`, Young's interval in iterations): replay being far
-cheaper than recomputation is why the base interval of LowDiff can be much longer.
+cheaper than recomputation is why the base interval of LowDiff can be much longer. Below
+:math:`F = p/t` the persist wait dominates, so the tuner also evaluates :math:`\lceil p/t \rceil`.
 
 **Optimum in B.** No useful closed form once the max() bites; B is small and integral, so the
 tuner evaluates every B from 1 up to the largest the host memory budget allows
@@ -87,6 +91,8 @@ class CostInputs:
     """kappa: share of the writer's busy time that slows training."""
     base_stall_s: float = 0.0
     """c_b: training blocked per base."""
+    base_persist_s: float = 0.0
+    """p: writing one base in the background, after its staging."""
     base_load_s: float = 0.0
     """l: loading a base at restart."""
     replay_s: float = 0.0
@@ -106,7 +112,7 @@ class CostInputs:
         for name in ("diff_s", "diff_bytes", "write_latency_s", "write_interference"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("base_stall_s", "base_load_s", "replay_s", "restart_s"):
+        for name in ("base_stall_s", "base_persist_s", "base_load_s", "replay_s", "restart_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.write_bandwidth <= 0 or self.mtbf_s <= 0 or self.host_memory_budget <= 0:
@@ -145,6 +151,11 @@ def step_s(c: CostInputs, batch: int) -> float:
     return produce + c.write_interference * per_diff + max(0.0, per_diff - produce)
 
 
+def base_stall_s(c: CostInputs, full_interval: float, batch: int) -> float:
+    """c_b(F): training blocked per base, waiting for the previous base's persist included."""
+    return c.base_stall_s + max(0.0, c.base_persist_s - full_interval * step_s(c, batch))
+
+
 def failure_cost_s(c: CostInputs, full_interval: float, batch: int) -> float:
     """C(F, B): expected seconds lost per failure."""
     t = step_s(c, batch)
@@ -157,7 +168,7 @@ def wall_per_iteration(c: CostInputs, full_interval: float, batch: int) -> float
     useful = 1.0 - c.failure_rate * failure_cost_s(c, full_interval, batch)
     if useful <= 0:
         return math.inf
-    return (step_s(c, batch) + c.base_stall_s / full_interval) / useful
+    return (step_s(c, batch) + base_stall_s(c, full_interval, batch) / full_interval) / useful
 
 
 def optimal_full_interval(c: CostInputs, batch: int, max_interval: int = 1_000_000) -> float:
@@ -191,18 +202,25 @@ def plan(c: CostInputs, full_interval: int, batch: int) -> Plan:
         batch,
         w,
         w / c.iteration_s - 1.0,
-        step_s(c, batch) + c.base_stall_s / full_interval,
+        step_s(c, batch) + base_stall_s(c, full_interval, batch) / full_interval,
         failure_cost_s(c, full_interval, batch),
     )
 
 
+def _interval_candidates(c: CostInputs, batch: int, max_interval: int) -> set[int]:
+    """F*(B) rounded both ways, and the shortest interval at which persists keep up."""
+    f = optimal_full_interval(c, batch, max_interval)
+    keep_up = math.ceil(c.base_persist_s / step_s(c, batch))
+    found = {math.floor(f), math.ceil(f), keep_up}
+    return {min(max(1, n), max_interval) for n in found}
+
+
 def optimize(c: CostInputs, max_interval: int = 1_000_000, batch_limit: int = 1024) -> Plan:
-    """The (F, B) of smallest W: every admissible B, each with F*(B) rounded down and up."""
+    """The (F, B) of smallest W: every admissible B, each with its candidate intervals."""
     best: Plan | None = None
     for batch in range(1, max_batch(c, batch_limit) + 1):
-        f = optimal_full_interval(c, batch, max_interval)
-        for candidate in {max(1, math.floor(f)), max(1, math.ceil(f))}:
-            p = plan(c, min(candidate, max_interval), batch)
+        for candidate in _interval_candidates(c, batch, max_interval):
+            p = plan(c, candidate, batch)
             if best is None or p.wall_per_iteration_s < best.wall_per_iteration_s:
                 best = p
     assert best is not None
@@ -218,6 +236,5 @@ def full_checkpointing(c: CostInputs, max_interval: int = 1_000_000) -> Plan:
     full = replace(
         c, diff_s=0.0, diff_bytes=0.0, write_latency_s=0.0, replay_s=c.iteration_s, max_pending=0
     )
-    f = optimal_full_interval(full, 1, max_interval)
-    options = [plan(full, max(1, min(n, max_interval)), 1) for n in (math.floor(f), math.ceil(f))]
+    options = [plan(full, n, 1) for n in _interval_candidates(full, 1, max_interval)]
     return min(options, key=lambda p: p.wall_per_iteration_s)

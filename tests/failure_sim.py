@@ -3,11 +3,12 @@
 It knows nothing of the model's formulas: it plays the job forward iteration by iteration. Each
 iteration takes ``a + c0`` (plus the writer's interference); every B-th closes a batch, which the
 background writer (one at a time, in order) makes durable ``w(B)`` later; when more than
-``max_pending`` batches wait, training waits. Every F-th iteration takes a base (``c_b`` blocked,
-published at once). Failures arrive as a Poisson process in wall time (also during recovery).
-A failure loses everything not durable: new processes start (``R``), load the newest base
-(``l``), replay the durable differentials after it (``r`` each), and go on from there; the diff
-log starts a new chain at the recovered iteration, and writes in flight are lost.
+``max_pending`` batches wait, training waits. Every F-th iteration takes a base: it waits for the
+previous base's persist, blocks ``c_b``, and is published ``p`` later. Failures arrive as a
+Poisson process in wall time (also during recovery). A failure loses everything not durable: new
+processes start (``R``), load the newest published base (``l``), replay the durable differentials
+after it (``r`` each), and go on from there; the diff log starts a new chain at the recovered
+iteration, and writes in flight are lost.
 """
 
 from __future__ import annotations
@@ -31,27 +32,30 @@ def simulate(c: CostInputs, full_interval: int, batch: int, iterations: int, see
     now, done = 0.0, 0
     chain_start = 0  # the log's chain restarts at the recovered iteration
     written = 0  # newest iteration made durable by a completed write
-    last_base = 0
+    bases: deque[tuple[float, int]] = deque()  # (time published, iteration)
+    last_base, persist_done = 0, 0.0
     writer_free = 0.0
     writes: deque[tuple[float, int]] = deque()  # (time durable, last iteration), in order
     failure = next_failure(0.0)
     while done < iterations:
         while writes and writes[0][0] <= now:
             written = writes.popleft()[1]
+        while bases and bases[0][0] <= now:
+            last_base = bases.popleft()[1]
         end = now + per_iteration
         # Back-pressure: no more than max_pending writes may wait behind the one in progress.
         waiting = [t for t, _ in writes if t > end]
         if len(waiting) > c.max_pending + 1:
             end = waiting[len(waiting) - c.max_pending - 2]
         is_base = (done + 1) % full_interval == 0
-        if is_base:
-            end += c.base_stall_s
+        if is_base:  # staging waits for the previous base's persist, then blocks c_b
+            end = max(end, persist_done) + c.base_stall_s
         if failure < end:
             now = failure
             while True:  # recover; a failure during recovery starts it over
                 completed = [i for t, i in writes if t <= now]
-                durable = max([written, last_base, chain_start, *completed])
-                base = (durable // full_interval) * full_interval
+                base = max([last_base] + [i for t, i in bases if t <= now])
+                durable = max([written, base, chain_start, *completed])
                 recovered = now + c.restart_s + c.base_load_s + (durable - base) * c.replay_s
                 failure = next_failure(now)
                 if failure >= recovered:
@@ -61,11 +65,13 @@ def simulate(c: CostInputs, full_interval: int, batch: int, iterations: int, see
             chain_start = written = durable
             last_base = base
             writes.clear()
-            writer_free = now
+            bases.clear()
+            writer_free = persist_done = now
             continue
         now, done = end, done + 1
         if is_base:
-            last_base = done
+            persist_done = now + c.base_persist_s
+            bases.append((persist_done, done))
         if (done - chain_start) % batch == 0:
             writer_free = max(now, writer_free) + w
             writes.append((writer_free, done))

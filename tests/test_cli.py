@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_diffckpt.checkpoint_layout import publish_iteration
@@ -81,3 +82,26 @@ def test_exit_codes_of_the_installed_command(tmp_path):
         [sys.executable, "-m", "megatron_diffckpt.cli", "bogus"], capture_output=True, text=True
     )
     assert usage.returncode == 2
+
+
+def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
+    assert main(["tune", "--sweep", "--tensor-parallel", "8", "--pipeline-parallel", "1",
+                 "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    gpus = sorted({r["gpus"] for r in rows})
+    assert gpus[0] == 8 and gpus[-1] == 16384
+    assert {r["strategy"] for r in rows} == {"LowDiff", "LowDiff+", "full checkpointing"}
+    by_gpus = {g: [r for r in rows if r["gpus"] == g] for g in gpus}
+    # The Llama 3 405B failure rate: 16,384 GPUs fail every ~3.1 h.
+    assert by_gpus[16384][0]["mtbf_hours"] == pytest.approx(54 * 24 * 16384 / 419 / 16384)
+    # Bigger jobs fail more often: the base interval shrinks and the expected loss grows.
+    full = [r for r in rows if r["strategy"] == "full checkpointing"]
+    assert [r["full_interval"] for r in full] == sorted(
+        (r["full_interval"] for r in full), reverse=True
+    )
+    assert [r["lost_hours"] for r in full] == sorted(r["lost_hours"] for r in full)
+
+
+def test_tune_refuses_a_layout_that_does_not_divide(capsys):
+    assert main(["tune", "--gpus", "100", "--tensor-parallel", "8"]) == 2
+    assert "not a multiple of TP x PP" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from megatron_diffckpt.tuning import (
     optimal_full_interval,
     optimize,
     plan,
+    step_s,
     wall_per_iteration,
     write_s,
 )
@@ -46,6 +47,7 @@ SCENARIOS = {
     "fast-writer-mtbf-30min": CostInputs(**BASE, mtbf_s=1800),
     "fast-writer-mtbf-10min": CostInputs(**BASE, mtbf_s=600),
     "slow-writer-mtbf-30min": CostInputs(**{**BASE, "write_latency_s": 3.0}, mtbf_s=1800),
+    "slow-persist-mtbf-1h": CostInputs(**{**BASE, "base_persist_s": 40.0}, mtbf_s=3600),
     "interference-mtbf-1h": CostInputs(
         **{**BASE, "write_latency_s": 0.4, "write_interference": 0.5}, mtbf_s=3600
     ),
@@ -107,6 +109,18 @@ def test_slow_writer_forces_a_batch_that_keeps_up():
     # Interference makes batching pay even when the writer keeps up.
     assert optimize(SCENARIOS["interference-mtbf-1h"]).batch_size > 1
     assert optimize(SCENARIOS["fast-writer-mtbf-30min"]).batch_size == 1
+
+
+def test_bases_are_not_taken_faster_than_they_persist():
+    c = SCENARIOS["slow-persist-mtbf-1h"]
+    # Costly replay, cheap staging: a short interval, unless persists cannot keep up with it.
+    fast = {**BASE, "replay_s": 5.0, "base_stall_s": 1.0}
+    short = optimize(CostInputs(**fast, mtbf_s=3600))
+    slow_inputs = CostInputs(**{**fast, "base_persist_s": 60.0}, mtbf_s=3600)
+    slow = optimize(slow_inputs)
+    assert short.full_interval < 40
+    assert slow.full_interval * step_s(slow_inputs, slow.batch_size) >= 60.0  # F t(B) >= p
+    assert plan(c, 10, 1).step_s > plan(c, 40, 1).step_s  # waiting on the persist
 
 
 def test_host_memory_budget_bounds_the_batch():

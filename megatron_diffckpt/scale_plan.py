@@ -1,0 +1,148 @@
+"""At-scale planning: the cost model's inputs for a GPT job of a given size, and its choices.
+
+``megatron-diffckpt tune`` fills :class:`~megatron_diffckpt.tuning.CostInputs` from a job
+description (model size, GPUs, layout, iteration time, storage) and compares three strategies,
+each at its own best setting:
+
+- **LowDiff**: top-k compressed gradients (ratio rho) written per iteration by each rank. A rank's
+  differential is its shard's entries of the aggregated sparse gradient: at most
+  ``min(1, DP * rho)`` of the shard's ``P / N`` parameters, 8 bytes each (fp32 value, int32 index).
+  Bases are async stock checkpoints (the stall is the staging copy of the shard).
+- **LowDiff+**: no compression; reduced gradient buckets are copied to host memory during the
+  backward pass (overlapped: no stall) and merged into a host replica, which is persisted as the
+  base with no device stall. Dense differentials (4 bytes per shard parameter) are written between
+  bases.
+- **full checkpointing**: stock async saves only; after a failure the iterations since the newest
+  checkpoint are recomputed.
+
+Storage is shared: each rank gets ``storage_bandwidth / N`` for writes and reads, so a base
+takes ``P * bytes_per_param / storage_bandwidth`` to persist, whatever N. A full
+checkpoint holds ``bytes_per_param`` per parameter (bf16 weights plus fp32 main weights and two
+Adam moments: 14). Replaying a differential reads it and runs one optimizer step on the shard
+(memory-bound: ``32`` bytes of traffic per shard parameter at ``device_memory_bandwidth``).
+
+Failure rate. The default comes from the Llama 3 405B pre-training report ("The Llama 3 Herd of
+Models", Meta, 2024, section 3.3.4): 419 unexpected interruptions in a 54-day period on 16,384
+H100 GPUs, i.e. one interruption per ``54 * 24 * 16384 / 419`` = 50,676 GPU-hours. A job of N GPUs
+fails every ``50,676 / N`` hours on average (failures of independent components add up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_diffckpt.tuning import CostInputs, Plan, full_checkpointing, optimize
+
+# Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs.
+GPU_HOURS_PER_FAILURE = 54 * 24 * 16384 / 419
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A GPT pretraining job, as far as checkpointing costs go."""
+
+    params: float = 70e9
+    """Model parameters."""
+    gpus: int = 1024
+    """GPUs (ranks) of the job."""
+    tensor_parallel: int = 8
+    """TP size."""
+    pipeline_parallel: int = 4
+    """PP size."""
+    iteration_s: float = 10.0
+    """Time of one training iteration."""
+    storage_bandwidth: float = 500e9
+    """Aggregate write/read bandwidth of the checkpoint storage, bytes/s, shared by all ranks."""
+    staging_bandwidth: float = 25e9
+    """Device-to-host copy bandwidth per GPU (async-save staging), bytes/s."""
+    device_memory_bandwidth: float = 2e12
+    """Device memory bandwidth, bytes/s (replay is a memory-bound optimizer step)."""
+    topk_ratio: float = 0.01
+    """LowDiff's top-k ratio."""
+    bytes_per_param: float = 14.0
+    """Bytes per parameter of a full checkpoint."""
+    restart_s: float = 600.0
+    """Requeue, start and initialisation after a failure."""
+    gpu_hours_per_failure: float = GPU_HOURS_PER_FAILURE
+    """GPU-hours between unexpected interruptions (Llama 3 405B report by default)."""
+    write_latency_s: float = 0.05
+    """Fixed cost of one diff write (fsync, rename) on the shared file system."""
+    diff_s: float = 0.0
+    """Training-path cost of capturing one differential (copy of the sparse shard)."""
+    host_memory_budget: float = 16e9
+    """Host memory one rank's diff writer may use, bytes."""
+
+    def __post_init__(self) -> None:
+        if self.gpus % (self.tensor_parallel * self.pipeline_parallel):
+            raise ValueError(
+                f"{self.gpus} GPUs are not a multiple of TP x PP = "
+                f"{self.tensor_parallel * self.pipeline_parallel}"
+            )
+        for name in ("params", "iteration_s", "storage_bandwidth", "gpu_hours_per_failure"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def data_parallel(self) -> int:
+        return self.gpus // (self.tensor_parallel * self.pipeline_parallel)
+
+    @property
+    def shard_params(self) -> float:
+        """Parameters of one rank's distributed-optimizer shard."""
+        return self.params / self.gpus
+
+    @property
+    def mtbf_s(self) -> float:
+        return self.gpu_hours_per_failure / self.gpus * 3600.0
+
+
+def _per_rank_bandwidth(job: JobSpec) -> float:
+    return job.storage_bandwidth / job.gpus
+
+
+def lowdiff_inputs(job: JobSpec) -> CostInputs:
+    kept = min(1.0, job.data_parallel * job.topk_ratio)
+    return _inputs(job, diff_bytes=job.shard_params * kept * 8.0, base_stall=True)
+
+
+def lowdiff_plus_inputs(job: JobSpec) -> CostInputs:
+    return _inputs(job, diff_bytes=job.shard_params * 4.0, base_stall=False)
+
+
+def _inputs(job: JobSpec, diff_bytes: float, base_stall: bool) -> CostInputs:
+    bw = _per_rank_bandwidth(job)
+    shard_bytes = job.shard_params * job.bytes_per_param
+    replay = diff_bytes / bw + job.shard_params * 32.0 / job.device_memory_bandwidth
+    return CostInputs(
+        iteration_s=job.iteration_s,
+        diff_s=job.diff_s,
+        diff_bytes=diff_bytes,
+        write_bandwidth=bw,
+        write_latency_s=job.write_latency_s,
+        base_stall_s=shard_bytes / job.staging_bandwidth if base_stall else 0.0,
+        base_persist_s=shard_bytes / bw,
+        base_load_s=shard_bytes / bw,
+        replay_s=replay,
+        restart_s=job.restart_s,
+        mtbf_s=job.mtbf_s,
+        host_memory_budget=job.host_memory_budget,
+    )
+
+
+def full_inputs(job: JobSpec) -> CostInputs:
+    return _inputs(job, diff_bytes=0.0, base_stall=True)
+
+
+def compare(job: JobSpec) -> dict[str, Plan]:
+    """Each strategy at its own best (F, B)."""
+    return {
+        "LowDiff": optimize(lowdiff_inputs(job)),
+        "LowDiff+": optimize(lowdiff_plus_inputs(job)),
+        "full checkpointing": full_checkpointing(full_inputs(job)),
+    }
+
+
+def expected_loss_hours(job: JobSpec, plan: Plan, train_hours: float) -> float:
+    """Wall-clock hours a ``train_hours`` job (of failure-free training) loses to checkpointing
+    and failures under ``plan``."""
+    return train_hours * plan.overhead
