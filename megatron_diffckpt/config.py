@@ -52,6 +52,19 @@ class DiffCkptConfig:
     topk_ratio: float = 0.01
     """Fraction of each bucket's entries every rank sends with --diffckpt-compressor topk."""
 
+    auto_tune: bool = False
+    """Re-derive the base interval F and the write batch B from measured costs while training
+    (megatron_diffckpt.tuning); each decision is logged with the numbers behind it."""
+
+    mtbf_hours: float = 24.0
+    """Mean time between failures of the whole job, in hours (the auto-tuner's failure rate)."""
+
+    host_memory_budget: int = 4096
+    """MiB of host memory the diff writer may hold; bounds the auto-tuned B."""
+
+    retune_interval: int = 50
+    """Iterations between auto-tune decisions."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
@@ -69,6 +82,9 @@ class DiffCkptConfig:
             raise ValueError(
                 f"--diffckpt-compressor must be one of {COMPRESSORS}, got {self.compressor!r}"
             )
+        for name in ("mtbf_hours", "host_memory_budget", "retune_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be > 0")
         if not 0.0 < self.topk_ratio <= 1.0:
             raise ValueError(f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}")
 
@@ -83,9 +99,15 @@ class DiffCkptConfig:
         docs = field_docs(cls)
         choices = {"mode": MODES, "when_full": WHEN_FULL, "compressor": COMPRESSORS}
         for f in fields(cls):
+            flag = f"--diffckpt-{f.name.replace('_', '-')}"
+            if str(f.type) == "bool":
+                group.add_argument(
+                    flag, dest=f"diffckpt_{f.name}", action="store_true", help=docs.get(f.name)
+                )
+                continue
             kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
             group.add_argument(
-                f"--diffckpt-{f.name.replace('_', '-')}",
+                flag,
                 dest=f"diffckpt_{f.name}",
                 type=kind,
                 default=f.default if f.default is not MISSING else None,

@@ -4,10 +4,12 @@ Call sequence, every call on all ranks::
 
     manager = DiffCheckpointManager(config, save_dir, optimizer, rng_tracker, coords)
     iteration, scheduler_steps, consumed = manager.recover(base_iteration)  # base loaded first
-    manager.start(iteration)
+    manager.start(iteration, full_interval)
     for each iteration:
         optimizer.step(); scheduler.step(...)          # the hook captures inside step()
-        manager.end_iteration(iteration, scheduler.num_steps, consumed)
+        manager.end_iteration(iteration, scheduler.num_steps, consumed, train_seconds)
+        if manager.base_due(iteration):
+            save a base; manager.on_base_saved(iteration, blocked_seconds)
         # when a base is published: manager.on_base_published(base_iteration)
     manager.close()
 
@@ -25,9 +27,11 @@ import time
 import uuid
 from typing import Any
 
+import psutil
 import torch
 
 from megatron_diffckpt import recovery, retention
+from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
@@ -93,13 +97,26 @@ class DiffCheckpointManager:
         self.rank_dir = os.path.join(self.dir, self.identity.dirname())
         self.capture = GradShardCapture()
         self.writer: DiffLogWriter | None = None
+        self.tuner: OnlineTuner | None = None
+        self.full_interval = 0  # F; set by start()
+        self._last_base = 0
+        self._base_saved: tuple[int, float, float] | None = None  # (iteration, start, stall)
+        self._recovery: tuple[float, float | None, float] | None = None
+        self._step_start: float | None = None
+        self._capture_s = 0.0
+        self.last_diff_seconds = 0.0
+        """Training-path time of the last differential: capture, record, hand-off."""
 
-    def recover(self, base_iteration: int) -> tuple[int, int | None, int | None]:
+    def recover(
+        self, base_iteration: int, base_load_s: float = 0.0
+    ) -> tuple[int, int | None, int | None]:
         """Replay the differentials after the loaded base. All ranks, collectively.
 
-        Returns ``(iteration, scheduler_steps, consumed_samples)``; the last two are ``None`` when
-        there was nothing to replay (the base's own values stand).
+        ``base_load_s`` (how long loading the base took) feeds the auto-tuner. Returns
+        ``(iteration, scheduler_steps, consumed_samples)``; the last two are ``None`` when there
+        was nothing to replay (the base's own values stand).
         """
+        since_process_start = time.time() - psutil.Process().create_time()
         start = time.perf_counter()
         scan = scan_rank_log(self.rank_dir, self.identity, base_iteration)
         read_s = time.perf_counter() - start
@@ -117,11 +134,17 @@ class DiffCheckpointManager:
         )
         start = time.perf_counter()
         last = recovery.replay(self.optimizer, records, self.rng_tracker)
+        replay_s = time.perf_counter() - start
         logger.info(
             "recovery: read the diff log in %.3f s, replayed %d differential(s) in %.3f s",
             read_s,
             len(records),
-            time.perf_counter() - start,
+            replay_s,
+        )
+        self._recovery = (
+            base_load_s,
+            replay_s / len(records) if records else None,
+            max(0.0, since_process_start - base_load_s),
         )
         if os.path.isdir(self.rank_dir):
             recovery.truncate_log(self.rank_dir, scan, target)
@@ -129,8 +152,22 @@ class DiffCheckpointManager:
             return target, None, None
         return target, last.scalars["scheduler_steps"], last.scalars["consumed_samples"]
 
-    def start(self, iteration: int) -> None:
-        """Begin capturing after ``iteration``. All ranks."""
+    def start(self, iteration: int, full_interval: int) -> None:
+        """Begin capturing after ``iteration``, with bases every ``full_interval`` (F). All ranks.
+
+        With ``--diffckpt-auto-tune``, F and the write batch B then change at run time.
+        """
+        self.full_interval = full_interval
+        self._last_base = iteration
+        if self.config.auto_tune:
+            settings = TunerSettings(
+                mtbf_s=self.config.mtbf_hours * 3600.0,
+                host_memory_budget=self.config.host_memory_budget * 2.0**20,
+                max_pending=self.config.max_pending,
+            )
+            self.tuner = OnlineTuner(settings, full_interval, self.config.batch_size)
+            if self._recovery is not None:
+                self.tuner.observe_recovery(*self._recovery)
         self.writer = DiffLogWriter(
             self.dir,
             self.identity,
@@ -140,20 +177,91 @@ class DiffCheckpointManager:
             when_full=self.config.when_full,
             chain_start=iteration,
         )
-        optimizer_step.attach(self.optimizer, self.capture.on_ready_grads)
+        optimizer_step.attach(self.optimizer, self._on_ready_grads)
 
-    def end_iteration(self, iteration: int, scheduler_steps: int, consumed_samples: int) -> None:
-        """Hand ``iteration``'s differential to the background writer. All ranks."""
+    def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
+        now = time.perf_counter()
+        if self._step_start is None:
+            self._step_start = now
+        self.capture.on_ready_grads(inner_index, torch_optimizer)
+        self._capture_s += time.perf_counter() - now
+
+    def end_iteration(
+        self,
+        iteration: int,
+        scheduler_steps: int,
+        consumed_samples: int,
+        train_seconds: float | None = None,
+    ) -> None:
+        """Hand ``iteration``'s differential to the background writer. All ranks.
+
+        ``train_seconds``, the iteration's forward, backward and optimizer step, feeds the
+        auto-tuner; with it on, every ``--diffckpt-retune-interval`` iterations this is also a
+        collective that agrees on a new F and B.
+        """
+        start = time.perf_counter()
+        step_s = start - self._step_start if self._step_start is not None else 0.0
         record = self.capture.take_record(
             iteration, scheduler_steps, consumed_samples, self.rng_tracker
         )
         self.writer.append(record)
+        diff_s = self._capture_s + time.perf_counter() - start
+        self.last_diff_seconds = diff_s
+        self._step_start, self._capture_s = None, 0.0
+        if self.tuner is None:
+            return
+        for sample in self.writer.take_samples():
+            self.tuner.observe_write(sample.records, sample.nbytes, sample.write_s, sample.sync_s)
+        if train_seconds is not None:
+            self.tuner.observe_iteration(max(train_seconds - diff_s, 1e-9), diff_s, step_s)
+        if iteration % self.config.retune_interval == 0:
+            self._retune(iteration)
+
+    def _retune(self, iteration: int) -> None:
+        """Agree on the ranks' proposals (MIN of F and of B) and adopt them. All ranks."""
+        proposal = torch.tensor(self.tuner.propose(iteration), dtype=torch.int64)
+        if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+            proposal = proposal.cuda()
+        torch.distributed.all_reduce(proposal, op=torch.distributed.ReduceOp.MIN)
+        full_interval, batch_size = (int(x) for x in proposal.tolist())
+        if (full_interval, batch_size) != (self.full_interval, self.writer.batch_size):
+            logger.info(
+                "auto-tune at iteration %d: F %d -> %d, B %d -> %d (agreed by all ranks)",
+                iteration,
+                self.full_interval,
+                full_interval,
+                self.writer.batch_size,
+                batch_size,
+            )
+        self.tuner.apply(full_interval, batch_size)
+        self.full_interval = full_interval
+        self.writer.batch_size = batch_size  # segments may have any length: safe at any point
+
+    def base_due(self, iteration: int) -> bool:
+        """Whether ``iteration`` ends with a base. Any rank (all agree).
+
+        Fixed F: Megatron's rule, every multiple of F. Auto-tuned F: F iterations after the
+        newest base, so a new F applies from the newest base on.
+        """
+        if self.full_interval < 1:
+            return False
+        if self.tuner is None:
+            return iteration % self.full_interval == 0
+        return iteration - self._last_base >= self.full_interval
+
+    def on_base_saved(self, iteration: int, blocked_s: float) -> None:
+        """A base of ``iteration`` was started; training was blocked ``blocked_s``. All ranks."""
+        self._last_base = iteration
+        self._base_saved = (iteration, time.perf_counter() - blocked_s, blocked_s)
 
     def on_base_published(self, iteration: int) -> None:
         """A base of ``iteration`` is published: durability counts from it, and retention applies.
         All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
         if self.writer is not None:
             self.writer.rebase(iteration)
+        if self.tuner is not None and self._base_saved and self._base_saved[0] == iteration:
+            _, started, stall = self._base_saved
+            self.tuner.observe_base(stall, time.perf_counter() - started - stall)
         keep = self.config.keep_bases
         if keep < 1:
             return

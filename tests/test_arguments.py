@@ -124,3 +124,13 @@ def test_non_positive_sizes_are_refused():
 def test_missing_data_path(tmp_path):
     err = _error(_parse("--train-iters", "2", "--data-path", str(tmp_path / "x.txt")))
     assert "no such file" in err
+
+
+def test_auto_tune_needs_differential_checkpointing():
+    err = _error(_parse("--train-iters", "2", "--diffckpt-auto-tune"))
+    assert "--diffckpt-auto-tune needs --diffckpt-mode lowdiff" in err
+
+
+def test_diffckpt_values_are_checked_by_flag_name():
+    err = _error(_parse("--train-iters", "2", "--diffckpt-mtbf-hours", "0"))
+    assert "--diffckpt-mtbf-hours must be > 0" in err

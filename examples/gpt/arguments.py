@@ -191,6 +191,8 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         args.diffckpt = DiffCkptConfig.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.diffckpt.auto_tune and not args.diffckpt.enabled:
+        parser.error("--diffckpt-auto-tune needs --diffckpt-mode lowdiff")
     if args.diffckpt.enabled:
         if args.save is None:
             parser.error(f"--diffckpt-mode {args.diffckpt.mode} needs --save DIR")

@@ -348,9 +348,12 @@ def main(argv=None) -> int:
 
     iteration, consumed = 0, 0
     if args.load is not None:
+        load_start = time.perf_counter()
         iteration, consumed = Checkpointer.load(args.load, model, optimizer, scheduler, residuals)
         if manager is not None:
-            iteration, scheduler_steps, replayed_consumed = manager.recover(iteration)
+            iteration, scheduler_steps, replayed_consumed = manager.recover(
+                iteration, base_load_s=time.perf_counter() - load_start
+            )
             if scheduler_steps is not None:
                 scheduler.num_steps = scheduler_steps
                 scheduler.step(increment=0)  # the LR the next iteration uses
@@ -362,7 +365,7 @@ def main(argv=None) -> int:
         args.save, args.async_save, manager.on_base_published if manager else None, residuals
     )
     if manager is not None:
-        manager.start(iteration)
+        manager.start(iteration, args.base_interval)
 
     tokens = load_tokens(args.data_path, args.mock_data, args.seq_length, args.seed)
     windows = TokenWindows(tokens, args.seq_length, args.seed)
@@ -379,7 +382,7 @@ def main(argv=None) -> int:
     losses: list[float] = []
     skipped = 0
     # Accumulated over the log interval, as Megatron-LM reports them.
-    interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
+    interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0, "diff": 0.0}
     while iteration < args.train_iters:
         # Elapsed time per iteration spans the whole loop body, checkpointing included (as
         # Megatron-LM's); "checkpoint time" is the part a save blocked training.
@@ -391,14 +394,22 @@ def main(argv=None) -> int:
         consumed += args.global_batch_size
         skipped += int(was_skipped)
         if manager is not None:
-            manager.end_iteration(iteration, scheduler.num_steps, consumed)
+            train_s = time.perf_counter() - start
+            manager.end_iteration(iteration, scheduler.num_steps, consumed, train_s)
+            interval["diff"] += manager.last_diff_seconds
         loss_value = _broadcast_loss(loss)
         losses.append(loss_value)
         checkpointer.finalize()
         stop = args.exit_interval is not None and iteration % args.exit_interval == 0
-        due = args.base_interval is not None and iteration % args.base_interval == 0
+        if manager is not None:
+            due = manager.base_due(iteration)
+        else:
+            due = args.base_interval is not None and iteration % args.base_interval == 0
         if args.save is not None and (due or stop or iteration == args.train_iters):
-            interval["ckpt"] += checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+            blocked = checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+            interval["ckpt"] += blocked
+            if manager is not None:
+                manager.on_base_saved(iteration, blocked)
         interval["time"] += time.perf_counter() - start
         interval["loss"] += loss_value
         interval["iters"] += 1
@@ -419,9 +430,12 @@ def main(argv=None) -> int:
                 float(grad_norm or 0.0),
                 interval["ckpt"] * 1000.0,
                 skipped,
-                f" durable diff iteration: {manager.durable_iteration} |" if manager else "",
+                f" diff time (ms): {interval['diff'] / n * 1000.0:.1f} | durable diff iteration: "
+                f"{manager.durable_iteration} |"
+                if manager
+                else "",
             )
-            interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0}
+            interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0, "diff": 0.0}
         if iteration in args.dump_state_at:
             dump_state(_dump_dir(args, iteration), model, optimizer, losses)
         if stop:

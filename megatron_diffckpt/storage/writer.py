@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from megatron_diffckpt.durable_io import publish_file
@@ -45,6 +46,18 @@ class WriterStats:
     write_seconds: float = 0.0
     blocked_seconds: float = 0.0
     skipped_records: int = 0
+
+
+@dataclass(frozen=True)
+class SegmentSample:
+    """How one segment's publication went (what the auto-tuner measures)."""
+
+    records: int
+    nbytes: int
+    write_s: float
+    """Serialising and writing the bytes."""
+    sync_s: float
+    """fsync, rename and folder fsync: the fixed cost of a write."""
 
 
 class DiffLogWriter:
@@ -93,6 +106,7 @@ class DiffLogWriter:
         # gap (a skipped batch) wait in _after_gap until a rebase() or the gap's filling joins them.
         self._durable = chain_start
         self._after_gap: list[tuple[int, int]] = []
+        self._samples: deque[SegmentSample] = deque(maxlen=256)
         self._thread = threading.Thread(target=self._run, name="diffckpt-writer", daemon=True)
         self._thread.start()
 
@@ -128,6 +142,13 @@ class DiffLogWriter:
         self._queue.join()
         self._raise_background_error()
         return self.durable_iteration
+
+    def take_samples(self) -> list[SegmentSample]:
+        """The segments published since the previous call (at most the newest 256)."""
+        with self._lock:
+            samples = list(self._samples)
+            self._samples.clear()
+        return samples
 
     def rebase(self, base_iteration: int) -> None:
         """A base of ``base_iteration`` is published: durability now counts from it.
@@ -205,11 +226,20 @@ class DiffLogWriter:
         first, last = batch[0].iteration, batch[-1].iteration
         header = SegmentHeader(self.identity, self.compressor, first, last, len(batch))
         final = os.path.join(self.dir, segment_filename(first, last))
-        n = publish_file(final, lambda f: write_segment(f, header, batch))
+        timed: list[float] = []
+
+        def write(f):
+            n = write_segment(f, header, batch)
+            timed.append(time.perf_counter() - start)
+            return n
+
+        n = publish_file(final, write)
+        total = time.perf_counter() - start
         with self._lock:
             self._after_gap.append((first, last))
             self._absorb()
+            self._samples.append(SegmentSample(len(batch), n, timed[0], total - timed[0]))
         self.stats.segments += 1
         self.stats.records += len(batch)
         self.stats.bytes_written += n
-        self.stats.write_seconds += time.perf_counter() - start
+        self.stats.write_seconds += total

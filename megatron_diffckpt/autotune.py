@@ -1,0 +1,160 @@
+"""Online tuning of the base interval F and the write batch B (``--diffckpt-auto-tune``).
+
+:class:`OnlineTuner` collects what the cost model (:mod:`megatron_diffckpt.tuning`) needs while
+training runs; every ``--diffckpt-retune-interval`` iterations it re-derives (F, B) from the
+medians of the recent measurements:
+
+==========================  ======================================================================
+iteration time ``a``        the training step, checkpointing excluded (the training loop reports)
+diff cost ``c0``            capturing a differential and handing it to the writer
+diff size ``s``             bytes the writer wrote per record
+write bandwidth, latency    per segment: the time spent writing its bytes, and the rest (fsync,
+                            rename, folder fsync) as the fixed cost ``L``
+base stall ``c_b``          training blocked by a base save (the training loop reports)
+base persist ``p``          from a base's save to its publication
+base load ``l``, replay     measured at recovery when this run recovered; otherwise estimated as
+``r``                       ``p`` (reading a base costs about what writing it did) and the
+                            optimizer step's time (a replay is one optimizer step)
+restart ``R``               process start to the first iteration, minus load and replay
+failure rate                ``--diffckpt-mtbf-hours`` (of the whole job)
+==========================  ======================================================================
+
+Decisions take effect only at safe points: a new B when the writer's current batch is empty
+(segments may have any length, so no written data is affected), a new F from the newest base on
+(the next base is due F iterations after it). Every decision is logged with the numbers behind it.
+
+Collective rule: :meth:`OnlineTuner.propose` is local; the manager calls it on every rank at the
+same iterations and agrees on the result with one all-reduce (MIN of F and of B), so all ranks
+take bases together and no rank batches more than another.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from megatron_diffckpt.tuning import CostInputs, Plan, optimize
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TunerSettings:
+    """What the user fixed; the rest is measured."""
+
+    mtbf_s: float
+    host_memory_budget: float
+    max_pending: int
+    window: int = 50
+    max_interval: int = 100_000
+
+
+class OnlineTuner:
+    """Measures the cost model's inputs and re-derives (F, B). Any rank; not collective."""
+
+    def __init__(self, settings: TunerSettings, full_interval: int, batch_size: int):
+        self.settings = settings
+        self.full_interval = full_interval
+        self.batch_size = batch_size
+        n = settings.window
+        self._iteration_s: deque[float] = deque(maxlen=n)
+        self._diff_s: deque[float] = deque(maxlen=n)
+        self._diff_bytes: deque[float] = deque(maxlen=n)
+        self._write_bytes_s: deque[tuple[float, float]] = deque(maxlen=n)  # (bytes, seconds)
+        self._write_latency_s: deque[float] = deque(maxlen=n)
+        self._base_stall_s: deque[float] = deque(maxlen=8)
+        self._base_persist_s: deque[float] = deque(maxlen=8)
+        self._step_s: deque[float] = deque(maxlen=n)
+        self.base_load_s: float | None = None
+        self.replay_s: float | None = None
+        self.restart_s: float = 0.0
+        self.last_plan: Plan | None = None
+
+    # -- measurements ------------------------------------------------------------------------
+
+    def observe_iteration(self, iteration_s: float, diff_s: float, optimizer_step_s: float) -> None:
+        self._iteration_s.append(iteration_s)
+        self._diff_s.append(diff_s)
+        self._step_s.append(optimizer_step_s)
+
+    def observe_write(self, records: int, nbytes: int, write_s: float, sync_s: float) -> None:
+        """One published segment: ``write_s`` writing its bytes, ``sync_s`` fsync and rename."""
+        self._diff_bytes.append(nbytes / max(records, 1))
+        self._write_bytes_s.append((float(nbytes), write_s))
+        self._write_latency_s.append(sync_s)
+
+    def observe_base(self, stall_s: float, persist_s: float) -> None:
+        self._base_stall_s.append(stall_s)
+        self._base_persist_s.append(persist_s)
+
+    def observe_recovery(self, base_load_s: float, replay_s_per_diff: float | None, restart_s):
+        self.base_load_s = base_load_s
+        if replay_s_per_diff is not None:
+            self.replay_s = replay_s_per_diff
+        self.restart_s = restart_s
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def inputs(self) -> CostInputs | None:
+        """The cost model's inputs from the recent measurements; ``None`` until enough exist."""
+        if len(self._iteration_s) < 3 or not self._write_bytes_s:
+            return None
+        med = statistics.median
+        nbytes = sum(b for b, _ in self._write_bytes_s)
+        seconds = sum(s for _, s in self._write_bytes_s)
+        persist = med(self._base_persist_s) if self._base_persist_s else 0.0
+        return CostInputs(
+            iteration_s=med(self._iteration_s),
+            diff_s=med(self._diff_s),
+            diff_bytes=med(self._diff_bytes),
+            write_bandwidth=nbytes / seconds if seconds > 0 else 1e12,
+            write_latency_s=med(self._write_latency_s),
+            base_stall_s=med(self._base_stall_s) if self._base_stall_s else 0.0,
+            base_persist_s=persist,
+            base_load_s=self.base_load_s if self.base_load_s is not None else persist,
+            replay_s=self.replay_s if self.replay_s is not None else med(self._step_s),
+            restart_s=self.restart_s,
+            mtbf_s=self.settings.mtbf_s,
+            host_memory_budget=self.settings.host_memory_budget,
+            max_pending=self.settings.max_pending,
+        )
+
+    def propose(self, iteration: int) -> tuple[int, int]:
+        """The (F, B) the recent measurements call for (the current ones until enough exist).
+        Logs the decision and the numbers behind it."""
+        inputs = self.inputs()
+        if inputs is None:
+            return self.full_interval, self.batch_size
+        plan = optimize(inputs, max_interval=self.settings.max_interval)
+        self.last_plan = plan
+        logger.info(
+            "auto-tune at iteration %d: proposes F %d -> %d, B %d -> %d (predicted overhead "
+            "%.2f%%, %.3f s per useful iteration) from: iteration %.3f s, diff %.4f s and "
+            "%.0f bytes, write %.3g B/s + %.4f s, base stall %.3f s, persist %.2f s, load "
+            "%.2f s, replay %.4f s, restart %.1f s, MTBF %.2f h",
+            iteration,
+            self.full_interval,
+            plan.full_interval,
+            self.batch_size,
+            plan.batch_size,
+            100 * plan.overhead,
+            plan.wall_per_iteration_s,
+            inputs.iteration_s,
+            inputs.diff_s,
+            inputs.diff_bytes,
+            inputs.write_bandwidth,
+            inputs.write_latency_s,
+            inputs.base_stall_s,
+            inputs.base_persist_s,
+            inputs.base_load_s,
+            inputs.replay_s,
+            inputs.restart_s,
+            inputs.mtbf_s / 3600,
+        )
+        return plan.full_interval, plan.batch_size
+
+    def apply(self, full_interval: int, batch_size: int) -> None:
+        """Adopt the (F, B) every rank agreed on."""
+        self.full_interval, self.batch_size = full_interval, batch_size

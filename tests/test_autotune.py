@@ -1,0 +1,112 @@
+"""The online tuner: what it measures, what it proposes, and a real run that follows it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from launch import TINY_GPT, run_gpt
+
+from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
+from megatron_diffckpt.tuning import CostInputs, optimize
+
+SETTINGS = TunerSettings(mtbf_s=1800.0, host_memory_budget=1e9, max_pending=2)
+
+
+def _fed_tuner(**overrides) -> OnlineTuner:
+    tuner = OnlineTuner(SETTINGS, full_interval=100, batch_size=1)
+    for i in range(10):
+        tuner.observe_iteration(1.0 + 0.01 * (i % 3), 0.02, 0.05)
+        tuner.observe_write(records=1, nbytes=1_000_000, write_s=0.01, sync_s=0.05)
+    tuner.observe_base(stall_s=5.0, persist_s=20.0)
+    for name, value in overrides.items():
+        setattr(tuner, name, value)
+    return tuner
+
+
+def test_inputs_are_the_medians_of_what_was_measured():
+    inputs = _fed_tuner().inputs()
+    assert inputs.iteration_s == pytest.approx(1.01)
+    assert (inputs.diff_s, inputs.diff_bytes) == (0.02, 1_000_000)
+    assert inputs.write_bandwidth == pytest.approx(1e8)
+    assert inputs.write_latency_s == 0.05
+    assert (inputs.base_stall_s, inputs.base_persist_s) == (5.0, 20.0)
+    # Without a recovery in this run: load ~ persist, replay ~ one optimizer step.
+    assert (inputs.base_load_s, inputs.replay_s) == (20.0, 0.05)
+    assert inputs.mtbf_s == 1800.0
+
+
+def test_recovery_measurements_replace_the_estimates():
+    tuner = _fed_tuner()
+    tuner.observe_recovery(base_load_s=3.0, replay_s_per_diff=0.2, restart_s=45.0)
+    inputs = tuner.inputs()
+    assert (inputs.base_load_s, inputs.replay_s, inputs.restart_s) == (3.0, 0.2, 45.0)
+
+
+def test_proposal_is_the_cost_models_optimum():
+    tuner = _fed_tuner()
+    expected = optimize(tuner.inputs())
+    assert tuner.propose(50) == (expected.full_interval, expected.batch_size)
+    assert tuner.last_plan == expected
+
+
+def test_no_proposal_without_measurements():
+    tuner = OnlineTuner(SETTINGS, full_interval=100, batch_size=4)
+    assert tuner.propose(50) == (100, 4)
+    assert tuner.inputs() is None
+
+
+def test_a_slow_writer_gets_bigger_batches():
+    tuner = OnlineTuner(SETTINGS, full_interval=100, batch_size=1)
+    for _ in range(10):
+        tuner.observe_iteration(1.0, 0.02, 0.05)
+        tuner.observe_write(records=1, nbytes=1_000_000, write_s=0.01, sync_s=3.0)
+    _, batch = tuner.propose(10)
+    inputs: CostInputs = tuner.inputs()
+    assert batch > 1
+    assert (inputs.write_latency_s + batch * 0.01) / batch <= inputs.iteration_s + 0.02
+
+
+@pytest.mark.distributed
+def test_training_follows_the_agreed_decisions(tmp_path):
+    """A real run: the decisions are logged with their inputs, and bases follow the tuned F."""
+    ckpt = tmp_path / "ckpt"
+    proc = run_gpt(
+        2,
+        *TINY_GPT,
+        "--use-distributed-optimizer",
+        "--train-iters",
+        "24",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "100",
+        "--diffckpt-mode",
+        "lowdiff",
+        "--diffckpt-auto-tune",
+        "--diffckpt-retune-interval",
+        "4",
+        "--diffckpt-mtbf-hours",
+        "0.005",  # 18 s: failures so frequent that a short F pays
+    )
+    log = proc.stdout + proc.stderr
+    proposal = re.compile(
+        r"auto-tune at iteration 4: proposes F 100 -> \d+, B 1 -> \d+ .* from: "
+        r"iteration [\d.]+ s, diff [\d.]+ s and \d+ bytes"
+    )
+    assert proposal.search(log), log[-3000:]
+    decisions = [
+        (int(m[1]), int(m[2]))
+        for m in re.finditer(r"auto-tune at iteration (\d+): F \d+ -> (\d+), B", log)
+    ]
+    assert decisions, "the tuner never changed F"
+    saved = sorted({int(m) for m in re.findall(r"saved checkpoint from iteration (\d+) ", log)})
+    # Replay Megatron's loop with the agreed F: a base F iterations after the newest one.
+    expected, last, f = [], 0, 100
+    changes = dict(decisions)
+    for it in range(1, 25):
+        f = changes.get(it, f)  # decided in end_iteration, before the loop asks for a base
+        if it - last >= f or it == 24:
+            expected.append(it)
+            last = it
+    assert saved == expected, (saved, expected, decisions)
