@@ -32,7 +32,8 @@ Recovery: a base at iteration 1 and N differentials after it; new processes load
 replay N differentials (the newest base of the run is withdrawn, as if the job died just before
 publishing it). Reported: base load, log read and replay times against N.
 
-Loss curves: ``dense``, top-k 10% and top-k 1% over a longer run of the demo's model on the shipped corpus.
+Loss curves: ``dense``, top-k 10% and top-k 1% over a longer run of the demo's model on the
+shipped corpus.
 
 Results go to ``benchmarks/results/lowdiff_overhead.json`` and ``.png``.
 """
