@@ -15,11 +15,13 @@ base persist ``p``          from a base's save to its publication
 base load ``l``, replay     measured at recovery when this run recovered; otherwise estimated as
 ``r``                       ``p`` (reading a base costs about what writing it did) and the
                             optimizer step's time (a replay is one optimizer step)
-restart ``R``               process start to the first iteration, minus load and replay
+restart ``R``               process start to the first iteration, minus load and replay (in a
+                            fresh run: process start to the first iteration)
 failure rate                ``--diffckpt-mtbf-hours`` (of the whole job)
 ==========================  ======================================================================
 
-Decisions take effect only at safe points: a new B when the writer's current batch is empty
+No decision is made before a base has been measured (its cost is never assumed). Decisions
+take effect only at safe points: a new B when the writer's current batch is empty
 (segments may have any length, so no written data is affected), a new F from the newest base on
 (the next base is due F iterations after it). Every decision is logged with the numbers behind it.
 
@@ -89,18 +91,26 @@ class OnlineTuner:
         self._base_stall_s.append(stall_s)
         self._base_persist_s.append(persist_s)
 
-    def observe_recovery(self, base_load_s: float, replay_s_per_diff: float | None, restart_s):
+    def observe_recovery(
+        self, base_load_s: float, replay_s_per_diff: float | None, restart_s: float
+    ) -> None:
+        """This run recovered: what loading, replaying and starting took."""
         self.base_load_s = base_load_s
         if replay_s_per_diff is not None:
             self.replay_s = replay_s_per_diff
         self.restart_s = restart_s
 
+    def observe_start(self, startup_s: float) -> None:
+        """This run started fresh: its start-up (process start to training) stands for the
+        restart time until a recovery is measured."""
+        self.restart_s = startup_s
+
     # -- decisions ---------------------------------------------------------------------------
 
     def inputs(self) -> CostInputs | None:
         """The cost model's inputs from the recent measurements; ``None`` until enough exist."""
-        if len(self._iteration_s) < 3 or not self._write_bytes_s:
-            return None
+        if len(self._iteration_s) < 3 or not self._write_bytes_s or not self._base_stall_s:
+            return None  # a base's cost is never assumed: wait for one to be measured
         med = statistics.median
         nbytes = sum(b for b, _ in self._write_bytes_s)
         seconds = sum(s for _, s in self._write_bytes_s)

@@ -101,6 +101,7 @@ class DiffCheckpointManager:
         self.full_interval = 0  # F; set by start()
         self._last_base = 0
         self._base_saved: tuple[int, float, float] | None = None  # (iteration, start, stall)
+        self._published: dict[int, float] = {}  # base iteration -> when it was published
         self._recovery: tuple[float, float | None, float] | None = None
         self._step_start: float | None = None
         self._capture_s = 0.0
@@ -168,6 +169,8 @@ class DiffCheckpointManager:
             self.tuner = OnlineTuner(settings, full_interval, self.config.batch_size)
             if self._recovery is not None:
                 self.tuner.observe_recovery(*self._recovery)
+            else:
+                self.tuner.observe_start(time.time() - psutil.Process().create_time())
         self.writer = DiffLogWriter(
             self.dir,
             self.identity,
@@ -250,18 +253,32 @@ class DiffCheckpointManager:
         return iteration - self._last_base >= self.full_interval
 
     def on_base_saved(self, iteration: int, blocked_s: float) -> None:
-        """A base of ``iteration`` was started; training was blocked ``blocked_s``. All ranks."""
+        """A base of ``iteration`` was started; training was blocked ``blocked_s``. All ranks.
+
+        A synchronous save is published before this call, an asynchronous one after.
+        """
         self._last_base = iteration
         self._base_saved = (iteration, time.perf_counter() - blocked_s, blocked_s)
+        self._observe_base(iteration)
+
+    def _observe_base(self, iteration: int) -> None:
+        """Once a base is both saved and published: its stall and persist time to the tuner."""
+        published = self._published.get(iteration)
+        if self.tuner is None or published is None or self._base_saved is None:
+            return
+        saved, started, stall = self._base_saved
+        if saved == iteration:
+            self.tuner.observe_base(stall, max(0.0, published - started - stall))
+            self._published.pop(iteration)
 
     def on_base_published(self, iteration: int) -> None:
         """A base of ``iteration`` is published: durability counts from it, and retention applies.
         All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
         if self.writer is not None:
             self.writer.rebase(iteration)
-        if self.tuner is not None and self._base_saved and self._base_saved[0] == iteration:
-            _, started, stall = self._base_saved
-            self.tuner.observe_base(stall, time.perf_counter() - started - stall)
+        if self.tuner is not None:
+            self._published[iteration] = time.perf_counter()
+            self._observe_base(iteration)
         keep = self.config.keep_bases
         if keep < 1:
             return

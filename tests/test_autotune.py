@@ -54,6 +54,12 @@ def test_no_proposal_without_measurements():
     tuner = OnlineTuner(SETTINGS, full_interval=100, batch_size=4)
     assert tuner.propose(50) == (100, 4)
     assert tuner.inputs() is None
+    for _ in range(10):  # iterations and writes, but no base yet: its cost is not assumed
+        tuner.observe_iteration(1.0, 0.02, 0.05)
+        tuner.observe_write(records=1, nbytes=1_000_000, write_s=0.01, sync_s=0.05)
+    assert tuner.inputs() is None
+    tuner.observe_base(stall_s=1.0, persist_s=2.0)
+    assert tuner.inputs() is not None
 
 
 def test_a_slow_writer_gets_bigger_batches():
@@ -61,6 +67,7 @@ def test_a_slow_writer_gets_bigger_batches():
     for _ in range(10):
         tuner.observe_iteration(1.0, 0.02, 0.05)
         tuner.observe_write(records=1, nbytes=1_000_000, write_s=0.01, sync_s=3.0)
+    tuner.observe_base(stall_s=5.0, persist_s=20.0)
     _, batch = tuner.propose(10)
     inputs: CostInputs = tuner.inputs()
     assert batch > 1
@@ -80,18 +87,18 @@ def test_training_follows_the_agreed_decisions(tmp_path):
         "--save",
         str(ckpt),
         "--save-interval",
-        "100",
+        "3",
         "--diffckpt-mode",
         "lowdiff",
         "--diffckpt-auto-tune",
         "--diffckpt-retune-interval",
         "4",
         "--diffckpt-mtbf-hours",
-        "0.005",  # 18 s: failures so frequent that a short F pays
+        "1000",  # failures so rare that a long F pays
     )
     log = proc.stdout + proc.stderr
     proposal = re.compile(
-        r"auto-tune at iteration 4: proposes F 100 -> \d+, B 1 -> \d+ .* from: "
+        r"auto-tune at iteration 4: proposes F 3 -> \d+, B 1 -> \d+ .* from: "
         r"iteration [\d.]+ s, diff [\d.]+ s and \d+ bytes"
     )
     assert proposal.search(log), log[-3000:]
@@ -102,7 +109,7 @@ def test_training_follows_the_agreed_decisions(tmp_path):
     assert decisions, "the tuner never changed F"
     saved = sorted({int(m) for m in re.findall(r"saved checkpoint from iteration (\d+) ", log)})
     # Replay Megatron's loop with the agreed F: a base F iterations after the newest one.
-    expected, last, f = [], 0, 100
+    expected, last, f = [], 0, 3
     changes = dict(decisions)
     for it in range(1, 25):
         f = changes.get(it, f)  # decided in end_iteration, before the loop asks for a base
