@@ -27,10 +27,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
 	$(VENV)/bin/python -m pytest tests
 
-# The benchmarks (about 15 minutes on 2 cores); results in benchmarks/results/.
+# The benchmarks (about 45 minutes on 2 cores); results in benchmarks/results/.
 bench: $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet -r requirements/bench.txt
 	$(VENV)/bin/python benchmarks/lowdiff_overhead.py
+	$(VENV)/bin/python benchmarks/autotune_failures.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks

@@ -44,6 +44,8 @@ from megatron_diffckpt.storage.writer import DiffLogWriter
 logger = logging.getLogger(__name__)
 
 RUN_ID_FILE = "run.json"
+# The auto-tuner's newest agreed (F, B): a restarted job resumes with it instead of relearning.
+AUTOTUNE_FILE = "autotune.json"
 
 
 def shard_layout_hash(optimizer: Any) -> str:
@@ -160,13 +162,32 @@ class DiffCheckpointManager:
         """
         self.full_interval = full_interval
         self._last_base = iteration
+        if self._recovery is None and os.path.isdir(self.rank_dir):
+            # A start without recovery (training from scratch into a folder that holds a log):
+            # differentials after ``iteration`` belong to an earlier incarnation and must never
+            # be replayed into this one.
+            scan = scan_rank_log(self.rank_dir, self.identity, iteration)
+            recovery.truncate_log(self.rank_dir, scan, iteration)
+        batch_size = self.config.batch_size
         if self.config.auto_tune:
+            decided = os.path.join(self.dir, AUTOTUNE_FILE)
+            if os.path.exists(decided):
+                with open(decided) as f:
+                    state = json.load(f)
+                full_interval, batch_size = state["full_interval"], state["batch_size"]
+                self.full_interval = full_interval
+                logger.info(
+                    "auto-tune: resuming with F %d, B %d (decided at iteration %d)",
+                    full_interval,
+                    batch_size,
+                    state["iteration"],
+                )
             settings = TunerSettings(
                 mtbf_s=self.config.mtbf_hours * 3600.0,
                 host_memory_budget=self.config.host_memory_budget * 2.0**20,
                 max_pending=self.config.max_pending,
             )
-            self.tuner = OnlineTuner(settings, full_interval, self.config.batch_size)
+            self.tuner = OnlineTuner(settings, full_interval, batch_size)
             if self._recovery is not None:
                 self.tuner.observe_recovery(*self._recovery)
             else:
@@ -175,7 +196,7 @@ class DiffCheckpointManager:
             self.dir,
             self.identity,
             make_compressor(self.config.compressor, self.config.topk_ratio).name,
-            batch_size=self.config.batch_size,
+            batch_size=batch_size,
             max_pending=self.config.max_pending,
             when_full=self.config.when_full,
             chain_start=iteration,
@@ -208,7 +229,8 @@ class DiffCheckpointManager:
             iteration, scheduler_steps, consumed_samples, self.rng_tracker
         )
         self.writer.append(record)
-        diff_s = self._capture_s + time.perf_counter() - start
+        capture_s = self._capture_s  # inside train_seconds (the optimizer step)
+        diff_s = capture_s + time.perf_counter() - start
         self.last_diff_seconds = diff_s
         self._step_start, self._capture_s = None, 0.0
         if self.tuner is None:
@@ -216,7 +238,7 @@ class DiffCheckpointManager:
         for sample in self.writer.take_samples():
             self.tuner.observe_write(sample.records, sample.nbytes, sample.write_s, sample.sync_s)
         if train_seconds is not None:
-            self.tuner.observe_iteration(max(train_seconds - diff_s, 1e-9), diff_s, step_s)
+            self.tuner.observe_iteration(max(train_seconds - capture_s, 1e-9), diff_s, step_s)
         if iteration % self.config.retune_interval == 0:
             self._retune(iteration)
 
@@ -236,6 +258,10 @@ class DiffCheckpointManager:
                 self.writer.batch_size,
                 batch_size,
             )
+            if torch.distributed.get_rank() == 0:
+                state = {"full_interval": full_interval, "batch_size": batch_size}
+                data = json.dumps({**state, "iteration": iteration}).encode()
+                publish_file(os.path.join(self.dir, AUTOTUNE_FILE), lambda f: f.write(data))
         self.tuner.apply(full_interval, batch_size)
         self.full_interval = full_interval
         self.writer.batch_size = batch_size  # segments may have any length: safe at any point

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -78,12 +79,11 @@ def test_a_slow_writer_gets_bigger_batches():
 def test_training_follows_the_agreed_decisions(tmp_path):
     """A real run: the decisions are logged with their inputs, and bases follow the tuned F."""
     ckpt = tmp_path / "ckpt"
-    proc = run_gpt(
-        2,
+    common = [
         *TINY_GPT,
         "--use-distributed-optimizer",
-        "--train-iters",
-        "24",
+        "--lr-decay-iters",
+        "100",
         "--save",
         str(ckpt),
         "--save-interval",
@@ -95,7 +95,8 @@ def test_training_follows_the_agreed_decisions(tmp_path):
         "4",
         "--diffckpt-mtbf-hours",
         "1000",  # failures so rare that a long F pays
-    )
+    ]
+    proc = run_gpt(2, *common, "--train-iters", "24")
     log = proc.stdout + proc.stderr
     proposal = re.compile(
         r"auto-tune at iteration 4: proposes F 3 -> \d+, B 1 -> \d+ .* from: "
@@ -117,3 +118,10 @@ def test_training_follows_the_agreed_decisions(tmp_path):
             expected.append(it)
             last = it
     assert saved == expected, (saved, expected, decisions)
+    # A restarted job resumes with the newest agreed decision instead of relearning it.
+    state = json.loads((ckpt / "diffckpt" / "autotune.json").read_text())
+    assert (state["full_interval"], state["iteration"]) == (decisions[-1][1], decisions[-1][0])
+    resumed = run_gpt(2, *common, "--train-iters", "26", "--load", str(ckpt))
+    assert f"auto-tune: resuming with F {state['full_interval']}, B {state['batch_size']}" in (
+        resumed.stdout + resumed.stderr
+    )
