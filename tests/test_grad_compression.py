@@ -15,6 +15,8 @@ megatron's plain optimizer, and tensor and pipeline parallelism (each with DP=2)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from launch import TINY_GPT, load_dumps, run_gpt
@@ -97,3 +99,18 @@ def test_one_percent_trains_and_its_differentials_are_sparse(tmp_path):
         # At most 2 ranks x 1% of the entries land in a shard, 8 bytes each, plus record headers
         # and RNG states: far below the dense shard.
         assert written < dense_shard / 5, (rank_dir.name, written, dense_shard)
+
+
+@pytest.mark.distributed
+def test_resume_under_another_data_parallel_size_starts_residuals_from_zero(tmp_path):
+    """Residuals belong to one rank of one layout: under another DP size they cannot be mapped,
+    so they start from zero, with a warning, and training goes on (the model and optimizer
+    reshard along DP as stock megatron does)."""
+    ckpt = str(tmp_path / "ckpt")
+    topk = ["--diffckpt-compressor", "topk", "--diffckpt-topk-ratio", "0.05"]
+    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100", *topk]
+    run_gpt(2, *common, "--train-iters", "6", "--save", ckpt, "--exit-interval", "3")
+    resumed = run_gpt(1, *common, "--train-iters", "5", "--load", ckpt, "--save", ckpt)
+    log = resumed.stdout + resumed.stderr
+    assert "holds no error-feedback residuals for this layout: they start from zero" in log
+    assert re.search(r"iteration +5/", log)
