@@ -34,8 +34,18 @@ logger = logging.getLogger("pretrain_gpt")
 
 # The distributed optimizer's format: fully parallel save and load, reshardable along DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-# The compressed exchange's error-feedback residuals (local state no gradient can rebuild).
+# The compressed exchange's error-feedback residuals (local state no gradient can rebuild). The
+# key names the (PP, TP, DP) layout: residuals of another layout cannot be mapped to this one,
+# and a key that the checkpoint lacks is what dist_checkpointing can skip ("unexpected").
 RESIDUALS_KEY = "diffckpt_error_feedback"
+
+
+def _residuals_key() -> str:
+    return (
+        f"{RESIDUALS_KEY}.pp{parallel_state.get_pipeline_model_parallel_world_size()}"
+        f".tp{parallel_state.get_tensor_model_parallel_world_size()}"
+        f".dp{parallel_state.get_data_parallel_world_size()}"
+    )
 
 
 def _rng_state() -> dict:
@@ -84,7 +94,7 @@ def _sharded_residuals(residuals) -> ShardedObject:
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size(),
     )
-    return ShardedObject(RESIDUALS_KEY, residuals.state_dict(), shape, coords, replica_id=0)
+    return ShardedObject(_residuals_key(), residuals.state_dict(), shape, coords, replica_id=0)
 
 
 def _sharded_state_dict(
@@ -93,7 +103,7 @@ def _sharded_state_dict(
     # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
     # them without: save and load through the wrapped module.
     model_sd = model.module.sharded_state_dict()
-    extra = {} if residuals is None else {RESIDUALS_KEY: _sharded_residuals(residuals)}
+    extra = {} if residuals is None else {_residuals_key(): _sharded_residuals(residuals)}
     return {
         **extra,
         "model": model_sd,
@@ -202,8 +212,8 @@ class Checkpointer:
             other = {k for k in unexpected if not k.startswith(RESIDUALS_KEY)}
             if other:
                 raise RuntimeError(f"{ckpt} lacks {sorted(other)[:5]}")
-            if RESIDUALS_KEY in state:
-                residuals.load_state_dict(state[RESIDUALS_KEY])
+            if _residuals_key() in state:
+                residuals.load_state_dict(state[_residuals_key()])
             else:
                 logger.warning(
                     "%s holds no error-feedback residuals for this layout: they start from zero",
