@@ -129,8 +129,6 @@ class SparseAllReduce:
     def __init__(self, compressor: Compressor, residuals: ErrorFeedbackResiduals | None = None):
         self.compressor = compressor
         self.residuals = residuals if residuals is not None else ErrorFeedbackResiduals()
-        self.bytes_sent = 0
-        """Payload bytes this rank contributed (values and indices), for reporting."""
 
     def start(
         self,
@@ -157,7 +155,6 @@ class SparseAllReduce:
             else:
                 indices = sent.indices
             values = sent.values.to(bucket.dtype)
-            self.bytes_sent += values.numel() * values.element_size() + indices.numel() * 4
             exchange = _BucketExchange(bucket, values, indices, values.numel(), world, average)
             works += exchange.launch(group, async_op)
             exchanges.append(exchange)

@@ -57,6 +57,10 @@ def shard_layout_hash(optimizer: Any) -> str:
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
 
+def _seconds_since_process_start() -> float:
+    return time.time() - psutil.Process().create_time()
+
+
 def _run_id(diff_dir: str) -> str:
     """The run's id, created by rank 0 on first use. All ranks, collectively."""
     path = os.path.join(diff_dir, RUN_ID_FILE)
@@ -119,7 +123,7 @@ class DiffCheckpointManager:
         ``(iteration, scheduler_steps, consumed_samples)``; the last two are ``None`` when there
         was nothing to replay (the base's own values stand).
         """
-        since_process_start = time.time() - psutil.Process().create_time()
+        since_process_start = _seconds_since_process_start()
         start = time.perf_counter()
         scan = scan_rank_log(self.rank_dir, self.identity, base_iteration)
         read_s = time.perf_counter() - start
@@ -191,7 +195,7 @@ class DiffCheckpointManager:
             if self._recovery is not None:
                 self.tuner.observe_recovery(*self._recovery)
             else:
-                self.tuner.observe_start(time.time() - psutil.Process().create_time())
+                self.tuner.observe_start(_seconds_since_process_start())
         self.writer = DiffLogWriter(
             self.dir,
             self.identity,
@@ -244,11 +248,7 @@ class DiffCheckpointManager:
 
     def _retune(self, iteration: int) -> None:
         """Agree on the ranks' proposals (MIN of F and of B) and adopt them. All ranks."""
-        proposal = torch.tensor(self.tuner.propose(iteration), dtype=torch.int64)
-        if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
-            proposal = proposal.cuda()
-        torch.distributed.all_reduce(proposal, op=torch.distributed.ReduceOp.MIN)
-        full_interval, batch_size = (int(x) for x in proposal.tolist())
+        full_interval, batch_size = recovery.all_reduce_min(list(self.tuner.propose(iteration)))
         if (full_interval, batch_size) != (self.full_interval, self.writer.batch_size):
             logger.info(
                 "auto-tune at iteration %d: F %d -> %d, B %d -> %d (agreed by all ranks)",

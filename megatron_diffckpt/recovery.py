@@ -27,13 +27,19 @@ from megatron_diffckpt.storage.reader import RankLogScan, list_segments, read_se
 logger = logging.getLogger(__name__)
 
 
-def agree_on_iteration(scan: RankLogScan, group: Any = None) -> int:
-    """The largest T that every rank's chain reaches: one all-reduce (MIN). All ranks."""
-    t = torch.tensor([scan.last_iteration], dtype=torch.int64)
+def all_reduce_min(values: list[int], group: Any = None) -> list[int]:
+    """The element-wise minimum of ``values`` over the ranks of ``group``: one all-reduce.
+    All ranks of ``group``, collectively."""
+    t = torch.tensor(values, dtype=torch.int64)
     if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl":
         t = t.cuda()
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
-    return int(t.item())
+    return [int(x) for x in t.tolist()]
+
+
+def agree_on_iteration(scan: RankLogScan, group: Any = None) -> int:
+    """The largest T that every rank's chain reaches: one all-reduce (MIN). All ranks."""
+    return all_reduce_min([scan.last_iteration], group)[0]
 
 
 def replay(

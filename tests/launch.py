@@ -68,3 +68,18 @@ def run_script(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:
 def load_dumps(path: Path, nproc: int) -> list[dict]:
     """The per-rank states that ``--dump-state`` wrote."""
     return [torch.load(path / f"rank_{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+OPTIMIZER_STATE = ("main_param", "exp_avg", "exp_avg_sq", "step")
+
+
+def assert_same_state(expected: dict, got: dict, rank: int) -> None:
+    """Two ``--dump-state`` dumps of one rank hold bit-identical parameters and optimizer state
+    (main params, exp_avg, exp_avg_sq, step): ``torch.equal``, tensor by tensor."""
+    assert expected["params"].keys() == got["params"].keys()
+    for name, value in expected["params"].items():
+        assert torch.equal(value, got["params"][name]), f"rank {rank}: parameter {name}"
+    assert len(expected["optimizer"]) == len(got["optimizer"]) > 0
+    for i, (a, b) in enumerate(zip(expected["optimizer"], got["optimizer"], strict=True)):
+        for key in OPTIMIZER_STATE:
+            assert torch.equal(a[key], b[key]), f"rank {rank}: optimizer entry {i} {key}"
