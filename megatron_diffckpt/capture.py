@@ -93,6 +93,19 @@ class GradShardCapture:
 
         An iteration whose step was skipped (inf/nan gradients) yields a record with no tensors.
         """
+        return self.build_record(
+            iteration, scheduler_steps, consumed_samples, capture_rng(rng_tracker)
+        )
+
+    def build_record(
+        self,
+        iteration: int,
+        scheduler_steps: int,
+        consumed_samples: int,
+        rng: tuple[dict[str, Any], dict[str, torch.Tensor]],
+    ) -> DiffRecord:
+        """As :meth:`take_record`, with the RNG states ``rng`` (:func:`capture_rng`) captured
+        earlier, at the end of the iteration, by the training thread."""
         tensors, self._pending = self._pending, {}
         groups, self._groups = self._groups, {}
         scalars: dict[str, Any] = {
@@ -101,7 +114,7 @@ class GradShardCapture:
             "scheduler_steps": int(scheduler_steps),
             "consumed_samples": int(consumed_samples),
         }
-        rng_scalars, rng_tensors = capture_rng(rng_tracker)
+        rng_scalars, rng_tensors = rng
         scalars.update(rng_scalars)
         # A generator whose state did not change since the previous record is left out (on CPU
         # each state is ~5 KB; most do not move every iteration). The first record this capture

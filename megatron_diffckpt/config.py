@@ -12,7 +12,7 @@ import inspect
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-MODES = ("off", "lowdiff")
+MODES = ("off", "lowdiff", "lowdiff-plus")
 WHEN_FULL = ("block", "skip")
 COMPRESSORS = ("none", "topk")
 
@@ -23,7 +23,9 @@ class DiffCkptConfig:
 
     mode: str = "off"
     """off: stock checkpoints only. lowdiff: write every iteration's optimizer input as a
-    differential, replayed on --load onto the newest base."""
+    differential, replayed on --load onto the newest base. lowdiff-plus: snapshot each reduced
+    gradient bucket to host memory during the backward pass, merge it into a host replica of the
+    optimizer shard, and persist bases from the replica in the background."""
 
     dir: str | None = None
     """Folder of the diff log; default SAVE/diffckpt."""
@@ -65,6 +67,10 @@ class DiffCkptConfig:
     retune_interval: int = 50
     """Iterations between auto-tune decisions."""
 
+    plus_no_diff_log: bool = False
+    """lowdiff-plus: persist bases only, without the per-iteration differentials between them
+    (recovery then resumes from the newest base)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
@@ -85,6 +91,13 @@ class DiffCkptConfig:
         for name in ("mtbf_hours", "host_memory_budget", "retune_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be > 0")
+        if self.mode == "lowdiff-plus" and self.compressor != "none":
+            raise ValueError(
+                "--diffckpt-mode lowdiff-plus is for training without gradient compression; "
+                "use --diffckpt-mode lowdiff with --diffckpt-compressor topk"
+            )
+        if self.mode == "lowdiff-plus" and self.auto_tune:
+            raise ValueError("--diffckpt-auto-tune applies to --diffckpt-mode lowdiff only")
         if not 0.0 < self.topk_ratio <= 1.0:
             raise ValueError(f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}")
 

@@ -36,6 +36,7 @@ from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.plus import LowDiffPlus, PlanBase
 from megatron_diffckpt.patches import optimizer_step
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import scan_rank_log
@@ -83,6 +84,8 @@ class DiffCheckpointManager:
         optimizer: the megatron optimizer (chained or not).
         rng_tracker: megatron's tensor-parallel RNG tracker (``get_cuda_rng_tracker()``).
         coords: this rank's ``(tp, pp, dp)`` ranks.
+        model_chunks: the megatron DDP modules (needed by ``--diffckpt-mode lowdiff-plus``, whose
+            snapshots hook their gradient buckets).
     """
 
     def __init__(
@@ -92,8 +95,13 @@ class DiffCheckpointManager:
         optimizer: Any,
         rng_tracker: Any,
         coords: tuple[int, int, int],
+        model_chunks: list[Any] | None = None,
     ):
+        if config.mode == "lowdiff-plus" and not model_chunks:
+            raise ValueError("--diffckpt-mode lowdiff-plus needs the model chunks (DDP modules)")
         self.config = config
+        self.model_chunks = model_chunks or []
+        self.plus: LowDiffPlus | None = None
         self.save_dir = save_dir
         self.dir = config.dir or os.path.join(save_dir, "diffckpt")
         self.optimizer = optimizer
@@ -108,6 +116,7 @@ class DiffCheckpointManager:
         self._last_base = 0
         self._base_saved: tuple[int, float, float] | None = None  # (iteration, start, stall)
         self._published: dict[int, float] = {}  # base iteration -> when it was published
+        self._published_bases: list[int] = []
         self._recovery: tuple[float, float | None, float] | None = None
         self._step_start: float | None = None
         self._capture_s = 0.0
@@ -196,15 +205,26 @@ class DiffCheckpointManager:
                 self.tuner.observe_recovery(*self._recovery)
             else:
                 self.tuner.observe_start(_seconds_since_process_start())
-        self.writer = DiffLogWriter(
-            self.dir,
-            self.identity,
-            make_compressor(self.config.compressor, self.config.topk_ratio).name,
-            batch_size=batch_size,
-            max_pending=self.config.max_pending,
-            when_full=self.config.when_full,
-            chain_start=iteration,
-        )
+        if not (self.config.mode == "lowdiff-plus" and self.config.plus_no_diff_log):
+            self.writer = DiffLogWriter(
+                self.dir,
+                self.identity,
+                make_compressor(self.config.compressor, self.config.topk_ratio).name,
+                batch_size=batch_size,
+                max_pending=self.config.max_pending,
+                when_full=self.config.when_full,
+                chain_start=iteration,
+            )
+        if self.config.mode == "lowdiff-plus":
+            self.plus = LowDiffPlus(
+                self.optimizer,
+                self.model_chunks,
+                self.config.max_pending,
+                self.writer,
+                self.rng_tracker,
+            )
+            self.plus.start(iteration)
+            return
         optimizer_step.attach(self.optimizer, self._on_ready_grads)
 
     def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
@@ -228,6 +248,10 @@ class DiffCheckpointManager:
         collective that agrees on a new F and B.
         """
         start = time.perf_counter()
+        if self.plus is not None:
+            self.plus.end_iteration(iteration, scheduler_steps, consumed_samples)
+            self.last_diff_seconds = time.perf_counter() - start
+            return
         step_s = start - self._step_start if self._step_start is not None else 0.0
         record = self.capture.take_record(
             iteration, scheduler_steps, consumed_samples, self.rng_tracker
@@ -300,6 +324,7 @@ class DiffCheckpointManager:
     def on_base_published(self, iteration: int) -> None:
         """A base of ``iteration`` is published: durability counts from it, and retention applies.
         All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
+        self._published_bases.append(iteration)
         if self.writer is not None:
             self.writer.rebase(iteration)
         if self.tuner is not None:
@@ -312,12 +337,28 @@ class DiffCheckpointManager:
             retention.prune_bases(self.save_dir, keep)
         retention.prune_diff_log(self.save_dir, self.rank_dir, keep)
 
+    def persist_replica(self, iteration: int, plan: PlanBase) -> float:
+        """LowDiff+: write the host replica at ``iteration`` as a base, in the background.
+
+        ``plan(optimizer_view, model_params)`` builds the stock checkpoint of the replica and
+        returns ``(write, finalize)`` (see :mod:`megatron_diffckpt.plus`). Returns the seconds
+        training was blocked. All ranks, collectively.
+        """
+        blocked = self.plus.persist_base(iteration, plan)
+        self.on_base_saved(iteration, blocked)
+        return blocked
+
     @property
     def durable_iteration(self) -> int:
-        return self.writer.durable_iteration if self.writer else 0
+        if self.writer is not None:
+            return self.writer.durable_iteration
+        return max(self._published_bases, default=0)
 
     def close(self) -> None:
         """Write what is pending and stop. All ranks."""
+        if self.plus is not None:
+            self.plus.close()
+            self.plus.write_trace(os.path.join(self.dir, "trace", f"{self.identity.dirname()}.json"))
         optimizer_step.detach(self.optimizer)
         if self.writer is not None:
             self.writer.close()

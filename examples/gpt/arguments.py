@@ -201,6 +201,13 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
                 "--diffckpt-mode continues the differential log of --load: use the same folder "
                 f"for --save (got --load {args.load}, --save {args.save})"
             )
+        if args.diffckpt.mode == "lowdiff-plus" and not args.use_distributed_optimizer:
+            parser.error("--diffckpt-mode lowdiff-plus needs --use-distributed-optimizer")
+        if args.diffckpt.mode == "lowdiff-plus" and args.async_save:
+            parser.error(
+                "--diffckpt-mode lowdiff-plus writes its bases in the background already; "
+                "drop --async-save"
+            )
         if args.diffckpt.full_interval == 0 and args.save_interval is None:
             parser.error("--diffckpt-mode needs --diffckpt-full-interval or --save-interval")
     args.base_interval = args.diffckpt.full_interval or args.save_interval

@@ -98,11 +98,20 @@ def _sharded_residuals(residuals) -> ShardedObject:
 
 
 def _sharded_state_dict(
-    model, optimizer, scheduler, iteration: int, consumed: int, is_loading: bool, residuals=None
+    model,
+    optimizer,
+    scheduler,
+    iteration: int,
+    consumed: int,
+    is_loading: bool,
+    residuals=None,
+    model_params=None,
 ) -> dict:
     # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
     # them without: save and load through the wrapped module.
     model_sd = model.module.sharded_state_dict()
+    if model_params is not None:  # LowDiff+: the replica's host parameters, not the model's
+        model_sd = model_params.substitute(model_sd)
     extra = {} if residuals is None else {_residuals_key(): _sharded_residuals(residuals)}
     return {
         **extra,
@@ -139,27 +148,18 @@ class Checkpointer:
         tracker moves forward in :meth:`finalize` once every rank has written its part.
         """
         start = time.perf_counter()
-        ckpt = checkpoint_dir(self.save_dir, iteration)
-        if torch.distributed.get_rank() == 0:
-            os.makedirs(ckpt, exist_ok=True)
-        torch.distributed.barrier()
         state = _sharded_state_dict(
             model, optimizer, scheduler, iteration, consumed, False, self.residuals
         )
         request = dist_checkpointing.save(
             state,
-            ckpt,
+            self._make_dir(iteration),
             async_sharded_save=self.async_save,
             content_metadata=OPTIMIZER_METADATA,
         )
 
         def publish():
-            if torch.distributed.get_rank() == 0:
-                publish_iteration(self.save_dir, iteration)
-            logger.info("saved checkpoint from iteration %d to %s", iteration, self.save_dir)
-            if self.on_published is not None:
-                torch.distributed.barrier()  # every rank sees the new tracker
-                self.on_published(iteration)
+            self._publish(iteration)
 
         if request is None:
             torch.distributed.barrier()
@@ -175,6 +175,57 @@ class Checkpointer:
             blocked * 1000.0,
         )
         return blocked
+
+    def _make_dir(self, iteration: int) -> str:
+        ckpt = checkpoint_dir(self.save_dir, iteration)
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(ckpt, exist_ok=True)
+        torch.distributed.barrier()
+        return ckpt
+
+    def _publish(self, iteration: int) -> None:
+        """Move the tracker to ``iteration`` (complete on every rank). All ranks."""
+        if torch.distributed.get_rank() == 0:
+            publish_iteration(self.save_dir, iteration)
+        logger.info("saved checkpoint from iteration %d to %s", iteration, self.save_dir)
+        if self.on_published is not None:
+            torch.distributed.barrier()  # every rank sees the new tracker
+            self.on_published(iteration)
+
+    def plan_replica(self, model, scheduler, iteration: int, consumed: int):
+        """LowDiff+: a ``plan`` for :meth:`DiffCheckpointManager.persist_replica`.
+
+        The returned function, given the optimizer's replica view and the replica's model
+        parameters, plans a stock checkpoint of ``iteration`` on the training thread (the same
+        keys and layout as :meth:`save`; scheduler, RNG states and counters are the training
+        loop's, now) and returns ``(write, finalize)``: ``write`` (the merger thread) writes this
+        rank's files from the replica; ``finalize`` (all ranks) writes the metadata last and
+        publishes the checkpoint.
+        """
+
+        def plan(optimizer_view, model_params):
+            state = _sharded_state_dict(
+                model, optimizer_view, scheduler, iteration, consumed, False, None, model_params
+            )
+            request = dist_checkpointing.save(
+                state,
+                self._make_dir(iteration),
+                async_sharded_save=True,
+                content_metadata=OPTIMIZER_METADATA,
+            )
+
+            def write():
+                if request.async_fn is not None:
+                    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
+
+            def finalize():
+                for fn in request.finalize_fns:
+                    fn()
+                self._publish(iteration)
+
+            return write, finalize
+
+        return plan
 
     def finalize(self, blocking: bool = False) -> None:
         """Publish finished async saves. All ranks, collectively (each call is a collective)."""

@@ -343,7 +343,7 @@ def main(argv=None) -> int:
             parallel_state.get_data_parallel_rank(),
         )
         manager = DiffCheckpointManager(
-            args.diffckpt, args.save, optimizer, get_cuda_rng_tracker(), coords
+            args.diffckpt, args.save, optimizer, get_cuda_rng_tracker(), coords, [model]
         )
 
     iteration, consumed = 0, 0
@@ -406,10 +406,14 @@ def main(argv=None) -> int:
         else:
             due = args.base_interval is not None and iteration % args.base_interval == 0
         if args.save is not None and (due or stop or iteration == args.train_iters):
-            blocked = checkpointer.save(model, optimizer, scheduler, iteration, consumed)
-            interval["ckpt"] += blocked
-            if manager is not None:
-                manager.on_base_saved(iteration, blocked)
+            if manager is not None and manager.plus is not None:
+                plan = checkpointer.plan_replica(model, scheduler, iteration, consumed)
+                interval["ckpt"] += manager.persist_replica(iteration, plan)
+            else:
+                blocked = checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+                interval["ckpt"] += blocked
+                if manager is not None:
+                    manager.on_base_saved(iteration, blocked)
         interval["time"] += time.perf_counter() - start
         interval["loss"] += loss_value
         interval["iters"] += 1
@@ -448,6 +452,11 @@ def main(argv=None) -> int:
     checkpointer.close()
     if args.dump_state:
         dump_state(args.dump_state, model, optimizer, losses)
+        if manager is not None and manager.plus is not None:
+            from megatron_diffckpt.patches.replica_state import replica_view
+
+            view = replica_view(optimizer, manager.plus.merger.optimizers)
+            dump_state(os.path.join(args.dump_state, "replica"), model, view, losses)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

@@ -1,0 +1,319 @@
+"""LowDiff+ incremental merging: a host replica of this rank's optimizer shard, one step behind.
+
+The :class:`ReplicaMerger` holds, in host memory, a copy of what this rank's torch optimizer(s)
+hold: the main-parameter shard and the optimizer state (Adam moments, step). Every iteration it
+receives the bucket snapshots of the reduced gradients (:mod:`megatron_diffckpt.snapshot`) and the
+few scalars the training step used, rebuilds from them the exact input of the training
+optimizer's step, and steps its own optimizer with it, on a background thread.
+
+Exactness: the input is the reduced gradient shard, cast to fp32 as megatron casts it
+(``.float()``), multiplied by the clipping coefficient when megatron clipped (the same
+``grad * coeff`` product), with the learning rate and weight decay of every param group. The
+replica's optimizer is the training optimizer's class with the same options (torch ``AdamW``
+without transformer-engine or apex), so on CPU the replica is bit-identical to the training state.
+On GPU the host kernels may round differently from the device's fused ones; the replica is then
+re-anchored from the device state (:meth:`ReplicaMerger.anchor`) at every persisted base.
+
+Optionally each merged step's optimizer input also goes to the diff log (a dense, exact
+differential), so that recovery can replay past the newest persisted base.
+
+Threads: the training thread calls :meth:`submit`, :meth:`run_after`, :meth:`wait_merged`,
+:meth:`close`; the merger thread does the rest. A job is merged in submission order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_diffckpt.capture import GradShardCapture
+from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
+from megatron_diffckpt.storage.writer import DiffLogWriter
+
+logger = logging.getLogger(__name__)
+
+_TORCH_ADAM = (torch.optim.AdamW, torch.optim.Adam)
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """Where one main parameter's gradient sits in this rank's shard of a bucket."""
+
+    bucket: str
+    start: int
+    end: int
+
+
+# layout[inner][group][index]: the slice of the index-th parameter of a param group.
+ShardLayout = list[list[list[ParamSlice]]]
+
+
+@dataclass
+class StepInputs:
+    """What one training step used besides the gradients, captured on the training thread."""
+
+    groups: dict[str, list[float]] = field(default_factory=dict)
+    """``"o<inner>.g<group>"`` -> ``[lr, weight_decay]``."""
+    clip_coeffs: dict[int, float] = field(default_factory=dict)
+    """Inner optimizer -> the clipping coefficient megatron multiplied its gradients by."""
+
+    @property
+    def skipped(self) -> bool:
+        """No optimizer step ran (inf/nan gradients)."""
+        return not self.groups
+
+
+@dataclass
+class MergeJob:
+    """One iteration for the merger."""
+
+    iteration: int
+    slot: SnapshotSlot | None
+    inputs: StepInputs
+    scheduler_steps: int
+    consumed_samples: int
+    rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
+    """RNG states at the end of the iteration; ``None`` when no differential is logged."""
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A host optimizer with ``opt``'s parameters, options and state, copied."""
+    groups = []
+    for group in opt.param_groups:
+        options = {k: v for k, v in group.items() if k != "params"}
+        groups.append({"params": [_host_copy(p) for p in group["params"]], **options})
+    if type(opt) in _TORCH_ADAM:
+        replica = type(opt)(groups)
+    else:
+        # transformer-engine / apex fused Adam: the host replica is torch AdamW with the same
+        # hyper-parameters (drift is bounded by re-anchoring at every base).
+        keys = ("lr", "betas", "eps", "weight_decay")
+        replica = torch.optim.AdamW(
+            [{"params": g["params"], **{k: g[k] for k in keys if k in g}} for g in groups]
+        )
+    _copy_state(opt, replica, into_existing=False)
+    return replica
+
+
+def _copy_state(src: torch.optim.Optimizer, dst: torch.optim.Optimizer, into_existing: bool):
+    for g_src, g_dst in zip(src.param_groups, dst.param_groups, strict=True):
+        for p_src, p_dst in zip(g_src["params"], g_dst["params"], strict=True):
+            if into_existing:
+                p_dst.detach().copy_(p_src.detach())
+            state = src.state.get(p_src)
+            if not state:
+                continue
+            if "step" not in state and "step" in g_src:  # fused optimizers keep it per group
+                state = {**state, "step": torch.tensor(float(g_src["step"]))}
+            current = dst.state.get(p_dst) if into_existing else None
+            if current:
+                for k, v in state.items():
+                    if torch.is_tensor(v) and k in current:
+                        current[k].copy_(v.detach())
+                    else:
+                        current[k] = _host_copy(v) if torch.is_tensor(v) else v
+            else:
+                dst.state[p_dst] = {
+                    k: _host_copy(v) if torch.is_tensor(v) else v for k, v in state.items()
+                }
+
+
+class ReplicaMerger:
+    """Keeps a host replica of this rank's optimizer shard and merges every step into it.
+
+    Args:
+        layout: where each main parameter's gradient sits in the bucket shards.
+        snapshotter: gives the slots back after merging (:meth:`BucketSnapshotter.release`).
+        writer: when given, every merged step is also appended to the diff log (dense, exact).
+    """
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        snapshotter: BucketSnapshotter,
+        writer: DiffLogWriter | None = None,
+    ):
+        self.layout = layout
+        self.snapshotter = snapshotter
+        self.writer = writer
+        self.capture = GradShardCapture()
+        self.optimizers: list[torch.optim.Optimizer | None] = []
+        self._queue: queue.Queue[MergeJob | _Call | None] = queue.Queue()
+        self._merged = -1
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self.merge_seconds = 0.0
+        """Merger-thread time spent merging, cumulative."""
+        self._thread = threading.Thread(target=self._run, name="diffckpt-merger", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- training thread
+    def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        """Make the replica equal to ``torch_optimizers`` (the training state after
+        ``iteration``). Waits until earlier jobs are merged. The training thread."""
+        self.wait_idle()
+        if not self.optimizers:
+            self.optimizers = [None if o is None else _replica_of(o) for o in torch_optimizers]
+        else:
+            for src, dst in zip(torch_optimizers, self.optimizers, strict=True):
+                if src is not None:
+                    _copy_state(src, dst, into_existing=True)
+        with self._cond:
+            self._merged = iteration
+            self._cond.notify_all()
+
+    def submit(self, job: MergeJob) -> None:
+        """Queue ``job``; the merger releases its slot when done. The training thread."""
+        self._raise_background_error()
+        self._queue.put(job)
+
+    def run_after(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the merger thread once the jobs submitted so far are merged, before any
+        later one: the replica holds exactly the state of the last submitted iteration."""
+        future: Future = Future()
+        self._queue.put(_Call(fn, future))
+        return future
+
+    @property
+    def merged_iteration(self) -> int:
+        return self._merged
+
+    def wait_merged(self, iteration: int) -> float:
+        """Block until ``iteration`` is merged; returns the seconds waited."""
+        start = time.perf_counter()
+        with self._cond:
+            while self._merged < iteration and self._error is None:
+                self._cond.wait(0.5)
+        self._raise_background_error()
+        return time.perf_counter() - start
+
+    def wait_idle(self) -> None:
+        """Block until every queued job and call has run."""
+        self._queue.join()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Merge what is queued, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+        self._raise_background_error()
+
+    # ----------------------------------------------------------------- merger thread
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("LowDiff+ merger failed") from self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is not None:
+                    self._drop(item)
+                    continue
+                if isinstance(item, _Call):
+                    try:
+                        item.future.set_result(item.fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        item.future.set_exception(e)
+                    continue
+                start = time.perf_counter()
+                self._merge(item)
+                self.merge_seconds += time.perf_counter() - start
+                with self._cond:
+                    self._merged = item.iteration
+                    self._cond.notify_all()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                logger.exception("LowDiff+ merger failed")
+                self._error = e
+                if isinstance(item, MergeJob):
+                    self._drop(item)
+                with self._cond:
+                    self._cond.notify_all()
+            finally:
+                self._queue.task_done()
+
+    def _drop(self, item: MergeJob | _Call) -> None:
+        if isinstance(item, _Call):
+            item.future.set_exception(RuntimeError("LowDiff+ merger failed earlier"))
+        elif item.slot is not None:
+            self.snapshotter.release(item.slot)
+
+    @torch.no_grad()
+    def _merge(self, job: MergeJob) -> None:
+        try:
+            if job.slot is not None:
+                job.slot.wait_ready()
+            if not job.inputs.skipped:
+                if job.slot is None:
+                    raise RuntimeError(f"iteration {job.iteration} stepped without snapshots")
+                self._step(job)
+            if self.writer is not None and job.rng is not None:
+                record = self.capture.build_record(
+                    job.iteration, job.scheduler_steps, job.consumed_samples, job.rng
+                )
+                self.writer.append(record)
+        finally:
+            if job.slot is not None:
+                self.snapshotter.release(job.slot)
+
+    def _step(self, job: MergeJob) -> None:
+        buffers = job.slot.buffers
+        for i, opt in enumerate(self.optimizers):
+            if opt is None:
+                continue
+            coeff = job.inputs.clip_coeffs.get(i)
+            for g, group in enumerate(opt.param_groups):
+                group["lr"], group["weight_decay"] = job.inputs.groups[f"o{i}.g{g}"]
+                for k, p in enumerate(group["params"]):
+                    where = self.layout[i][g][k]
+                    if where.bucket not in job.slot.filled:
+                        raise RuntimeError(
+                            f"iteration {job.iteration}: bucket {where.bucket} was not "
+                            "snapshotted (its reduction never started)"
+                        )
+                    grad = buffers[where.bucket][where.start : where.end].view(p.shape).float()
+                    if coeff is not None:
+                        grad = grad * coeff  # megatron: grads.copy_(grads * clip_coeff)
+                    p.grad = grad
+            if self.writer is not None:
+                self.capture.on_ready_grads(i, opt)
+            opt.step()
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+
+def host_group_like(group: Any) -> Any:
+    """A gloo group with the ranks of ``group``, for the host-side collectives of a background
+    thread (its own communicator, so it never interleaves with the training thread's).
+    All ranks of the world, collectively."""
+    world = torch.distributed.get_world_size()
+    mine = tuple(torch.distributed.get_process_group_ranks(group))
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)
+    result = None
+    for ranks in sorted(set(everyone)):
+        created = torch.distributed.new_group(list(ranks), backend="gloo")
+        if ranks == mine:
+            result = created
+    return result

@@ -1,0 +1,241 @@
+"""LowDiff+ on one rank: snapshots, merger and base persistence, wired to megatron's hooks.
+
+The :class:`~megatron_diffckpt.manager.DiffCheckpointManager` owns one :class:`LowDiffPlus` in
+``--diffckpt-mode lowdiff-plus`` and forwards its calls; this module holds the order of things:
+
+1. backward pass: each bucket's reduced shard -> host slot (:mod:`~megatron_diffckpt.snapshot`,
+   hooked by :mod:`~megatron_diffckpt.patches.bucket_snapshot`; bubbles with PP > 1 by
+   :mod:`~megatron_diffckpt.patches.pipeline_bubbles`);
+2. optimizer step: flush the copies before megatron clips in place; record the clipping
+   coefficient, learning rates and weight decays;
+3. end of iteration: the slot and those scalars go to the :class:`ReplicaMerger` thread, which
+   steps the host replica (and appends the exact step input to the diff log);
+4. base due: once the replica holds the iteration, megatron plans a stock dist checkpoint of it
+   on the training thread (a collective; values are read later), the merger thread writes it, and
+   once every rank has written, the training thread finalizes it (metadata last) and publishes it.
+
+Collective rule: :meth:`start`, :meth:`end_iteration`, :meth:`persist_base` and :meth:`close` are
+called by all ranks together (``end_iteration`` is a collective while a base is being written).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from megatron_diffckpt import recovery
+from megatron_diffckpt.capture import capture_rng
+from megatron_diffckpt.merge import MergeJob, ReplicaMerger, StepInputs, host_group_like
+from megatron_diffckpt.patches import bucket_snapshot, optimizer_step, pipeline_bubbles
+from megatron_diffckpt.patches.replica_state import ReplicaModelParams, replica_view
+from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
+from megatron_diffckpt.storage.writer import DiffLogWriter
+
+logger = logging.getLogger(__name__)
+
+# plan(optimizer_view, model_params) -> (write, finalize): ``write`` runs on the merger thread
+# (reads the replica), ``finalize`` on the training thread, on all ranks together, once every
+# rank has written.
+PlanBase = Callable[[Any, ReplicaModelParams], tuple[Callable[[], None], Callable[[], None]]]
+
+
+def _pipeline_size(model_chunks: list[Any]) -> int:
+    return int(getattr(model_chunks[0].config, "pipeline_model_parallel_size", 1) or 1)
+
+
+class LowDiffPlus:
+    """One rank's LowDiff+ machinery. Built by the manager in ``start``.
+
+    Args:
+        optimizer: the megatron (distributed) optimizer.
+        model_chunks: the megatron DDP modules.
+        slots: snapshot slots = the merger's backlog bound (``--diffckpt-max-pending``).
+        writer: the diff log, or ``None`` to persist bases only.
+        rng_tracker: megatron's RNG tracker (for the differentials' RNG states).
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        model_chunks: list[Any],
+        slots: int,
+        writer: DiffLogWriter | None,
+        rng_tracker: Any,
+    ):
+        self.optimizer = optimizer
+        self.model_chunks = model_chunks
+        self.rng_tracker = rng_tracker
+        self.writer = writer
+        layout, shards, _ = bucket_snapshot.shard_layout(optimizer)
+        inners = optimizer_step.inner_optimizers(optimizer)
+        self._torch_optimizers = [
+            None if getattr(o, "is_stub_optimizer", False) else o.optimizer for o in inners
+        ]
+        device = "cpu"
+        for o in self._torch_optimizers:
+            for group in o.param_groups if o is not None else []:
+                for p in group["params"]:
+                    device = p.device.type
+        self.device = device
+        self.pipelined = _pipeline_size(model_chunks) > 1
+        self.snapshotter = BucketSnapshotter(
+            shards, slots=slots, device=device, defer_to_bubbles=self.pipelined
+        )
+        self.merger = ReplicaMerger(layout, self.snapshotter, writer)
+        self._first_param = {}
+        for i, o in enumerate(self._torch_optimizers):
+            params = [p for g in o.param_groups for p in g["params"]] if o is not None else []
+            if params:
+                self._first_param[id(params[0])] = i
+        dp_group = next(o for o in inners if not getattr(o, "is_stub_optimizer", False))
+        self._host_group = host_group_like(dp_group.data_parallel_group)
+        self.model_params = ReplicaModelParams(optimizer, layout, self._host_group)
+        self._inputs = StepInputs()
+        self._submitted = 0
+        self._persist: tuple[int, Future, Callable[[], None]] | None = None
+        self.base_stall_seconds = 0.0
+
+    def start(self, iteration: int) -> None:
+        """Anchor the replica to the training state after ``iteration`` and hook megatron."""
+        self.merger.anchor(self._torch_optimizers, iteration)
+        self._submitted = iteration
+        bucket_snapshot.attach(self.model_chunks, self.optimizer, self.snapshotter)
+        bucket_snapshot.add_clip_observer(self._on_clip)
+        if self.pipelined:
+            pipeline_bubbles.activate(self.snapshotter)
+        optimizer_step.attach(self.optimizer, self._on_ready_grads)
+        logger.info(
+            "LowDiff+: %d snapshot slot(s) of %.1f MB in host memory (%s copies%s), replica "
+            "anchored at iteration %d",
+            len(self.snapshotter._slots),
+            self.snapshotter.nbytes / 1e6,
+            self.device,
+            ", deferred to pipeline bubbles" if self.pipelined else "",
+            iteration,
+        )
+
+    # ----------------------------------------------------------------- hooks (training thread)
+    def _on_clip(self, params: list[torch.Tensor], coeff: float | None) -> None:
+        self.snapshotter.flush()  # megatron is about to scale the gradients in place
+        inner = self._first_param.get(id(params[0])) if params else None
+        if coeff is not None and inner is not None:
+            self._inputs.clip_coeffs[inner] = coeff
+
+    def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
+        self.snapshotter.flush()
+        for g, group in enumerate(torch_optimizer.param_groups):
+            self._inputs.groups[f"o{inner_index}.g{g}"] = [
+                float(group["lr"]),
+                float(group.get("weight_decay", 0.0)),
+            ]
+
+    # ----------------------------------------------------------------- training loop
+    def end_iteration(self, iteration: int, scheduler_steps: int, consumed: int) -> None:
+        """Hand ``iteration`` to the merger; finish a base whose writes are done everywhere."""
+        slot = self.snapshotter.finish_iteration(iteration)
+        inputs, self._inputs = self._inputs, StepInputs()
+        rng = capture_rng(self.rng_tracker) if self.writer is not None else None
+        self.merger.submit(MergeJob(iteration, slot, inputs, scheduler_steps, consumed, rng))
+        self._submitted = iteration
+        self._poll_persist(block=False)
+
+    def persist_base(self, iteration: int, plan: PlanBase) -> float:
+        """Write the replica at ``iteration`` as a base; returns the seconds training waited.
+
+        Waits for the previous base to be published (one in flight), and for the merger to hold
+        ``iteration``; on GPU the replica is first re-anchored from the device state.
+        """
+        start = time.perf_counter()
+        if self._persist is not None:
+            logger.warning(
+                "LowDiff+: base %d is still being written; base %d waits for it",
+                self._persist[0],
+                iteration,
+            )
+            self._poll_persist(block=True)
+        self.merger.wait_merged(iteration)
+        if self.device != "cpu":
+            self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
+        write, finalize = plan(replica_view(self.optimizer, self.merger.optimizers), self.model_params)
+
+        def write_replica():
+            began = time.perf_counter()
+            self.model_params.fill(self.merger.optimizers)
+            write()
+            return time.perf_counter() - began
+
+        future = self.merger.run_after(write_replica)
+        self._persist = (iteration, future, finalize)
+        blocked = time.perf_counter() - start
+        self.base_stall_seconds += blocked
+        return blocked
+
+    def _poll_persist(self, block: bool) -> None:
+        """Finalize the pending base when every rank has written it. All ranks."""
+        if self._persist is None:
+            return
+        iteration, future, finalize = self._persist
+        if block:
+            future.exception()  # wait
+        done = recovery.all_reduce_min([int(future.done())])[0]
+        if not done:
+            return
+        written_s = future.result()  # raises the merger thread's error, if any
+        self._persist = None
+        finalize()
+        logger.info(
+            "LowDiff+: base of iteration %d published (written by the merger in %.3f s)",
+            iteration,
+            written_s,
+        )
+
+    def stats(self) -> dict[str, float]:
+        summary = summarize_traces(list(self.snapshotter.traces))
+        return {
+            "merge_backlog": self._submitted - self.merger.merged_iteration,
+            "merged_iteration": self.merger.merged_iteration,
+            "slot_wait_seconds": self.snapshotter.slot_wait_seconds,
+            "merge_seconds": self.merger.merge_seconds,
+            "share_in_bubbles": summary["share_in_bubbles"],
+        }
+
+    def write_trace(self, path: str) -> None:
+        """The stage's recent iterations (compute, wait and copy intervals) as JSON."""
+        traces = list(self.snapshotter.traces)
+        data = {
+            "summary": summarize_traces(traces),
+            "pipelined": self.pipelined,
+            "iterations": [t.as_dict() for t in traces],
+        }
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+    def close(self) -> None:
+        """Merge what is queued, finish the pending base, unhook. All ranks."""
+        self.snapshotter.flush()
+        self.merger.wait_idle()
+        self._poll_persist(block=True)
+        optimizer_step.detach(self.optimizer)
+        bucket_snapshot.remove_clip_observer(self._on_clip)
+        bucket_snapshot.detach(self.model_chunks)
+        pipeline_bubbles.deactivate()
+        self.merger.close()
+        self.snapshotter.close()
+        summary = summarize_traces(list(self.snapshotter.traces))
+        logger.info(
+            "LowDiff+: merged through iteration %d; merger busy %.2f s; training waited %.2f s "
+            "for snapshot slots and %.2f s at bases; %.0f%% of copy time inside pipeline bubbles",
+            self.merger.merged_iteration,
+            self.merger.merge_seconds,
+            self.snapshotter.slot_wait_seconds,
+            self.base_stall_seconds,
+            100.0 * summary["share_in_bubbles"],
+        )
