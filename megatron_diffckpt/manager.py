@@ -36,8 +36,8 @@ from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
-from megatron_diffckpt.plus import LowDiffPlus, PlanBase
 from megatron_diffckpt.patches import optimizer_step
+from megatron_diffckpt.plus import LowDiffPlus, PlanBase
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
@@ -358,7 +358,8 @@ class DiffCheckpointManager:
         """Write what is pending and stop. All ranks."""
         if self.plus is not None:
             self.plus.close()
-            self.plus.write_trace(os.path.join(self.dir, "trace", f"{self.identity.dirname()}.json"))
+            trace = os.path.join(self.dir, "trace", f"{self.identity.dirname()}.json")
+            self.plus.write_trace(trace)
         optimizer_step.detach(self.optimizer)
         if self.writer is not None:
             self.writer.close()

@@ -163,7 +163,8 @@ class LowDiffPlus:
         self.merger.wait_merged(iteration)
         if self.device != "cpu":
             self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
-        write, finalize = plan(replica_view(self.optimizer, self.merger.optimizers), self.model_params)
+        view = replica_view(self.optimizer, self.merger.optimizers)
+        write, finalize = plan(view, self.model_params)
 
         def write_replica():
             began = time.perf_counter()

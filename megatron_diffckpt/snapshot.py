@@ -1,4 +1,4 @@
-"""LowDiff+ bucket snapshots: each reduced gradient shard copied to host memory as soon as it exists.
+"""LowDiff+ bucket snapshots: each reduced gradient shard copied to host memory once it exists.
 
 During the backward pass megatron DDP reduces the gradients bucket by bucket. When a bucket's
 reduction has been started, :meth:`BucketSnapshotter.on_bucket_ready` is told about this rank's
@@ -326,4 +326,3 @@ def summarize_traces(traces: list[StageTrace]) -> dict[str, float]:
         "share_in_bubbles": inside / copy if copy > 0 else 0.0,
         "wait_seconds": sum(sum(e - s for s, e in t.waits) for t in traces),
     }
-

@@ -124,8 +124,10 @@ def _distributed_optimizers(optimizer: Any) -> list[Any]:
                 f"shards; got {type(inner).__name__}"
             )
         if getattr(inner.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-            raise ValueError("--diffckpt-mode lowdiff-plus does not support the precision-aware "
-                             "optimizer (--use-precision-aware-optimizer)")
+            raise ValueError(
+                "--diffckpt-mode lowdiff-plus does not support the precision-aware "
+                "optimizer (--use-precision-aware-optimizer)"
+            )
         if getattr(inner, "grad_scaler", None) is not None:
             raise ValueError(
                 "--diffckpt-mode lowdiff-plus does not support fp16 loss scaling yet; "
@@ -227,9 +229,8 @@ def attach(model_chunks: list[Any], optimizer: Any, snapshotter: BucketSnapshott
                         continue
                     lo, hi = max(p_start, offset), min(p_end, offset + shard.numel())
                     if lo < hi:
-                        refresh.append(
-                            (keys[id(bucket)], lo - offset, hi - offset, shard[lo - offset : hi - offset])
-                        )
+                        start, end = lo - offset, hi - offset
+                        refresh.append((keys[id(bucket)], start, end, shard[start:end]))
             original = bucket_group.start_grad_sync
 
             def start_grad_sync(force_all_reduce=False, _original=original, _group=bucket_group):
