@@ -187,11 +187,11 @@ class BucketSnapshotter:
         """Wrap a wait on a pipeline peer: queued copies are issued at its start and run while
         the stage waits. The wait's interval goes into the trace."""
         trace = self._ensure_trace()
+        start = time.perf_counter()
         self._in_bubble = True
         queued, self._queued = self._queued, []
         for job in queued:
             self._issue(job, True)
-        start = time.perf_counter()
         try:
             yield
         finally:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,6 +54,68 @@ def run_gpt(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedP
             + (proc.stdout + proc.stderr)[-6000:]
         )
     return proc
+
+
+def run_until_killed(
+    args: list[str], kill_after: int | None = None, kill_when_exists: Path | None = None
+) -> str:
+    """Start a 2-process training, SIGKILL every process once ``kill_after`` iterations were
+    logged, or as soon as ``kill_when_exists`` appears on disk. Returns the output so far."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(PRETRAIN_GPT),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    reached = threading.Event()
+    pattern = re.compile(rf"iteration +{kill_after}/") if kill_after is not None else None
+
+    def follow():
+        for line in proc.stdout:
+            lines.append(line)
+            if pattern is not None and pattern.search(line):
+                reached.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not reached.is_set():
+            if kill_when_exists is not None and kill_when_exists.exists():
+                break
+            assert proc.poll() is None, "training ended before the kill point:\n" + "".join(
+                lines[-40:]
+            )
+            assert time.monotonic() < deadline, "training never reached the kill point:\n" + (
+                "".join(lines[-40:])
+            )
+            time.sleep(0.005)
+    finally:
+        kill_tree(proc)
+    return "".join(lines)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every rank (torchrun puts ranks in their own sessions)."""
+    victims = psutil.Process(proc.pid).children(recursive=True)
+    for p in victims:
+        p.send_signal(signal.SIGKILL)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    psutil.wait_procs(victims, timeout=30)
+    proc.stdout.close()
 
 
 def run_script(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:

@@ -9,23 +9,9 @@ losses must equal an uninterrupted run's (``torch.equal``). Real processes (torc
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
-import sys
-import threading
 
-import psutil
 import pytest
-from launch import (
-    PRETRAIN_GPT,
-    REPO,
-    RUN_TIMEOUT_S,
-    TINY_GPT,
-    _env,
-    assert_same_state,
-    load_dumps,
-    run_gpt,
-)
+from launch import TINY_GPT, assert_same_state, load_dumps, run_gpt, run_until_killed
 
 TOTAL = 14
 BASE_INTERVAL = 5
@@ -38,57 +24,6 @@ LAYOUTS = {
 }
 
 
-def _run_until_killed(args: list[str], kill_after: int) -> str:
-    """Start training, SIGKILL every process once ``kill_after`` iterations were logged."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(PRETRAIN_GPT),
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    reached = threading.Event()
-    pattern = re.compile(rf"iteration +{kill_after}/")
-
-    def follow():
-        for line in proc.stdout:
-            lines.append(line)
-            if pattern.search(line):
-                reached.set()
-
-    threading.Thread(target=follow, daemon=True).start()
-    try:
-        assert reached.wait(RUN_TIMEOUT_S), "training never reached the kill point:\n" + "".join(
-            lines[-40:]
-        )
-    finally:
-        _kill_tree(proc)
-    return "".join(lines)
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every rank (torchrun puts ranks in their own sessions)."""
-    victims = psutil.Process(proc.pid).children(recursive=True)
-    for p in victims:
-        p.send_signal(signal.SIGKILL)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
-    psutil.wait_procs(victims, timeout=30)
-    proc.stdout.close()
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sigkill_then_replay_is_bit_exact(tmp_path, layout):
@@ -97,7 +32,7 @@ def test_sigkill_then_replay_is_bit_exact(tmp_path, layout):
     diff = ["--diffckpt-mode", "lowdiff", "--save", ckpt, "--save-interval", str(BASE_INTERVAL)]
 
     run_gpt(2, *common, "--train-iters", str(TOTAL), "--dump-state", str(tmp_path / "straight"))
-    _run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER)
+    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(
         BASE_INTERVAL
     )
@@ -149,7 +84,7 @@ def test_compressed_training_recovers_the_exact_state_at_t(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     diff = ["--diffckpt-mode", "lowdiff", "--save", ckpt, "--save-interval", str(BASE_INTERVAL)]
 
-    _run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER)
+    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER)
     # --train-iters below the recovered iteration: recover, train nothing, dump the state at T.
     at_t = run_gpt(
         2, *common, "--train-iters", "1", *diff, "--load", ckpt, "--dump-state", str(tmp_path / "t")

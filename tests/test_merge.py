@@ -1,0 +1,118 @@
+"""ReplicaMerger: the host replica steps exactly like the training optimizer fed the same input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_diffckpt.merge import MergeJob, ParamSlice, ReplicaMerger, StepInputs
+from megatron_diffckpt.snapshot import BucketSnapshotter
+
+SHARDS = {"b0": (10, torch.float32), "b1": (6, torch.float32)}
+# layout[inner][group][index]: three main parameters, two in bucket b0 (with a gap), one in b1.
+LAYOUT = [[[ParamSlice("b0", 0, 4), ParamSlice("b0", 5, 10)], [ParamSlice("b1", 0, 6)]]]
+SHAPES = [[(4,), (5,)], [(2, 3)]]
+
+
+def _training_optimizer(seed: int = 0) -> torch.optim.AdamW:
+    g = torch.Generator().manual_seed(seed)
+    groups = [
+        {"params": [torch.randn(s, generator=g) for s in SHAPES[0]], "weight_decay": 0.1},
+        {"params": [torch.randn(s, generator=g) for s in SHAPES[1]], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _fill_and_submit(snap, merger, iteration, buckets, inputs):
+    for key, value in buckets.items():
+        snap.on_bucket_ready(key, value, None)
+    merger.submit(MergeJob(iteration, snap.finish_iteration(iteration), inputs, iteration, 0, None))
+
+
+def _train_step(opt, buckets, inputs):
+    """What megatron does: main grads are views of the reduced shard, scaled in place by the
+    clipping coefficient (``grads.copy_(grads * coeff)``), then the torch step."""
+    coeff = inputs.clip_coeffs.get(0)
+    for g, group in enumerate(opt.param_groups):
+        group["lr"], group["weight_decay"] = inputs.groups[f"o0.g{g}"]
+        for k, p in enumerate(group["params"]):
+            where = LAYOUT[0][g][k]
+            grad = buckets[where.bucket][where.start : where.end].view(p.shape)
+            if coeff is not None:
+                grad.copy_(grad * coeff)
+            p.grad = grad
+    opt.step()
+
+
+def test_replica_is_bit_identical_to_the_training_optimizer_over_steps():
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=2)
+    merger = ReplicaMerger(LAYOUT, snap)
+    merger.anchor([training], iteration=0)
+    gen = torch.Generator().manual_seed(1)
+    for it in range(1, 9):
+        buckets = {k: torch.randn(n, generator=gen) for k, (n, _) in SHARDS.items()}
+        inputs = StepInputs(
+            groups={"o0.g0": [1e-2 / it, 0.1], "o0.g1": [1e-2 / it, 0.0]},
+            clip_coeffs={0: 0.37} if it % 2 else {},
+        )
+        _fill_and_submit(snap, merger, it, buckets, inputs)  # snapshot before the in-place clip
+        _train_step(training, buckets, inputs)
+    merger.wait_merged(8)
+    replica = merger.optimizers[0]
+    for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
+        for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):
+            assert torch.equal(p_t, p_r)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
+    merger.close()
+    snap.close()
+
+
+def test_a_skipped_step_leaves_the_replica_unchanged_and_frees_its_slot():
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=1)
+    merger = ReplicaMerger(LAYOUT, snap)
+    merger.anchor([training], iteration=0)
+    before = [p.clone() for g in merger.optimizers[0].param_groups for p in g["params"]]
+    buckets = {k: torch.full((n,), float("inf")) for k, (n, _) in SHARDS.items()}
+    for it in (1, 2):  # one slot: the second iteration needs the first one's slot back
+        _fill_and_submit(snap, merger, it, buckets, StepInputs())
+    merger.wait_merged(2)
+    after = [p for g in merger.optimizers[0].param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert not merger.optimizers[0].state  # no step ran
+    merger.close()
+    snap.close()
+
+
+def test_anchor_copies_into_the_existing_replica_tensors():
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=1)
+    merger = ReplicaMerger(LAYOUT, snap)
+    merger.anchor([training], iteration=0)
+    replica_param = merger.optimizers[0].param_groups[0]["params"][0]
+    with torch.no_grad():
+        training.param_groups[0]["params"][0].add_(1.0)
+    merger.anchor([training], iteration=5)
+    assert merger.merged_iteration == 5
+    assert merger.optimizers[0].param_groups[0]["params"][0] is replica_param  # same tensor
+    assert torch.equal(replica_param, training.param_groups[0]["params"][0])
+    merger.close()
+    snap.close()
+
+
+def test_a_missing_bucket_fails_loudly_on_the_training_thread():
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=2)
+    merger = ReplicaMerger(LAYOUT, snap)
+    merger.anchor([training], iteration=0)
+    snap.on_bucket_ready("b0", torch.zeros(10), None)  # b1 never reduced
+    inputs = StepInputs(groups={"o0.g0": [1e-3, 0.0], "o0.g1": [1e-3, 0.0]})
+    merger.submit(MergeJob(1, snap.finish_iteration(1), inputs, 1, 0, None))
+    with pytest.raises(RuntimeError, match="merger failed") as info:
+        merger.wait_merged(1)
+    assert "bucket b1 was not snapshotted" in str(info.value.__cause__)
+    with pytest.raises(RuntimeError, match="merger failed"):
+        merger.close()
+    snap.close()
