@@ -76,6 +76,28 @@ def _report_rank(rank_dir: str, base: int | None) -> RankReport:
     return report
 
 
+def _run_info(diff_dir: str) -> dict:
+    try:
+        with open(os.path.join(diff_dir, "run.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _plus_traces(diff_dir: str) -> dict[str, dict]:
+    """LowDiff+: each rank's summary of its last run's stage trace (copy time, bubbles)."""
+    folder = os.path.join(diff_dir, "trace")
+    traces = {}
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    traces[name.removesuffix(".json")] = json.load(f)["summary"]
+            except (OSError, ValueError, KeyError):
+                continue
+    return traces
+
+
 def inspect_dir(root: str, diff_dir: str | None = None) -> dict:
     """Bases, per-rank diff ranges and bytes, and the recoverable iteration T. Any process."""
     if not os.path.isdir(root):
@@ -94,6 +116,8 @@ def inspect_dir(root: str, diff_dir: str | None = None) -> dict:
     recoverable = min(ends) if ends and len(ends) == len(ranks) else latest
     return {
         "root": root,
+        "mode": _run_info(ddir).get("mode"),
+        "lowdiff_plus_traces": _plus_traces(ddir),
         "latest_base": latest,
         "bases": [{"iteration": i, "complete": c} for i, c in list_checkpoints(root)],
         "diff_log": ddir if os.path.isdir(ddir) else None,
@@ -134,6 +158,8 @@ def verify_dir(root: str, diff_dir: str | None = None) -> tuple[list[str], list[
 
 def _print_inspect(info: dict) -> None:
     print(f"checkpoint folder: {info['root']}")
+    if info["mode"]:
+        print(f"written with --diffckpt-mode {info['mode']}")
     print(f"latest base (tracker {TRACKER_FILENAME}): {info['latest_base']}")
     for b in info["bases"]:
         state = "complete" if b["complete"] else "INCOMPLETE"
@@ -147,6 +173,12 @@ def _print_inspect(info: dict) -> None:
         )
         for p in r["problems"]:
             print(f"    ! {p}")
+    for name, t in info["lowdiff_plus_traces"].items():
+        print(
+            f"  LowDiff+ {name}: last {t['iterations']} iteration(s) traced, snapshot copies "
+            f"{t['copy_seconds'] * 1000:.1f} ms, {100 * t['share_in_bubbles']:.0f}% inside "
+            "pipeline bubbles"
+        )
     print(f"recoverable iteration T: {info['recoverable_iteration']}")
 
 

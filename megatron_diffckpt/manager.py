@@ -62,12 +62,13 @@ def _seconds_since_process_start() -> float:
     return time.time() - psutil.Process().create_time()
 
 
-def _run_id(diff_dir: str) -> str:
-    """The run's id, created by rank 0 on first use. All ranks, collectively."""
+def _run_id(diff_dir: str, mode: str) -> str:
+    """The run's id, created by rank 0 on first use (with the mode that created the folder, for
+    ``megatron-diffckpt inspect``). All ranks, collectively."""
     path = os.path.join(diff_dir, RUN_ID_FILE)
     if torch.distributed.get_rank() == 0 and not os.path.exists(path):
         os.makedirs(diff_dir, exist_ok=True)
-        run = json.dumps({"run_id": uuid.uuid4().hex}).encode()
+        run = json.dumps({"run_id": uuid.uuid4().hex, "mode": mode}).encode()
         publish_file(path, lambda f: f.write(run))
     torch.distributed.barrier()
     with open(path) as f:
@@ -107,7 +108,9 @@ class DiffCheckpointManager:
         self.optimizer = optimizer
         self.rng_tracker = rng_tracker
         tp, pp, dp = coords
-        self.identity = SegmentIdentity(_run_id(self.dir), tp, pp, dp, shard_layout_hash(optimizer))
+        self.identity = SegmentIdentity(
+            _run_id(self.dir, config.mode), tp, pp, dp, shard_layout_hash(optimizer)
+        )
         self.rank_dir = os.path.join(self.dir, self.identity.dirname())
         self.capture = GradShardCapture()
         self.writer: DiffLogWriter | None = None
@@ -249,8 +252,9 @@ class DiffCheckpointManager:
         """
         start = time.perf_counter()
         if self.plus is not None:
-            self.plus.end_iteration(iteration, scheduler_steps, consumed_samples)
-            self.last_diff_seconds = time.perf_counter() - start
+            self.last_diff_seconds = self.plus.end_iteration(
+                iteration, scheduler_steps, consumed_samples
+            )
             return
         step_s = start - self._step_start if self._step_start is not None else 0.0
         record = self.capture.take_record(

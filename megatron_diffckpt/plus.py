@@ -137,14 +137,20 @@ class LowDiffPlus:
             ]
 
     # ----------------------------------------------------------------- training loop
-    def end_iteration(self, iteration: int, scheduler_steps: int, consumed: int) -> None:
-        """Hand ``iteration`` to the merger; finish a base whose writes are done everywhere."""
+    def end_iteration(self, iteration: int, scheduler_steps: int, consumed: int) -> float:
+        """Hand ``iteration`` to the merger; finish a base whose writes are done everywhere.
+
+        Returns LowDiff+'s time on the training thread for this iteration (snapshot issue,
+        slot waits, flushes, hand-off; a base's planning is reported by :meth:`persist_base`).
+        """
+        start = time.perf_counter()
         slot = self.snapshotter.finish_iteration(iteration)
         inputs, self._inputs = self._inputs, StepInputs()
         rng = capture_rng(self.rng_tracker) if self.writer is not None else None
         self.merger.submit(MergeJob(iteration, slot, inputs, scheduler_steps, consumed, rng))
         self._submitted = iteration
         self._poll_persist(block=False)
+        return self.snapshotter.iteration_path_seconds + time.perf_counter() - start
 
     def persist_base(self, iteration: int, plan: PlanBase) -> float:
         """Write the replica at ``iteration`` as a base; returns the seconds training waited.

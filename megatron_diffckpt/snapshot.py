@@ -165,6 +165,10 @@ class BucketSnapshotter:
         final values (gradients changed after their bucket's reduction)."""
         self.slot_wait_seconds = 0.0
         """Time the training thread waited for a free slot (the merger's backlog), cumulative."""
+        self._path_seconds = 0.0
+        self.iteration_path_seconds = 0.0
+        """Training-thread time spent here in the last finished iteration: issuing copies,
+        waiting for a slot, flushing (waits inside :meth:`bubble` are the peer's, not counted)."""
 
     # ----------------------------------------------------------------- training thread
     def on_bucket_ready(self, key: str, source: torch.Tensor, handle: Any = None) -> None:
@@ -173,6 +177,7 @@ class BucketSnapshotter:
         ``source`` is this rank's shard of the bucket: it holds the reduced gradient once the
         reduction completes, and must not change until :meth:`flush` returns.
         """
+        start = time.perf_counter()
         slot = self._slot()
         if key not in slot.buffers:
             raise KeyError(f"unknown bucket {key!r}; known: {sorted(slot.buffers)[:8]}")
@@ -181,6 +186,7 @@ class BucketSnapshotter:
             self._queued.append(job)
         else:
             self._issue(job, self._in_bubble)
+        self._path_seconds += time.perf_counter() - start
 
     @contextmanager
     def bubble(self) -> Iterator[None]:
@@ -204,6 +210,13 @@ class BucketSnapshotter:
         """Issue what is queued and make every copy of this iteration complete before the
         gradients change: CPU, wait for the worker; GPU, order the current stream after the
         copies. Idempotent."""
+        start = time.perf_counter()
+        try:
+            self._flush()
+        finally:
+            self._path_seconds += time.perf_counter() - start
+
+    def _flush(self) -> None:
         queued, self._queued = self._queued, []
         for job in queued:
             self._issue(job, False)
@@ -231,6 +244,7 @@ class BucketSnapshotter:
         """Close ``iteration``: the slot that holds its shards (``None`` if no bucket was ready).
         The consumer calls :meth:`SnapshotSlot.wait_ready`, reads, then :meth:`release`."""
         self.flush()
+        self.iteration_path_seconds, self._path_seconds = self._path_seconds, 0.0
         slot, self._current = self._current, None
         if self._trace is not None:
             self._trace.iteration = iteration

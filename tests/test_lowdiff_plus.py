@@ -28,6 +28,8 @@ from launch import (
     run_until_killed,
 )
 
+from megatron_diffckpt import cli
+
 LAYOUTS = {
     "tp1-pp1-dp2": "--overlap-grad-reduce",
     "tp2-pp1-dp1": "--tensor-model-parallel-size 2",
@@ -61,7 +63,7 @@ def _assert_replica_equals_training(dump, nproc: int = 2) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_replica_equals_the_training_state(tmp_path, layout):
+def test_replica_equals_the_training_state(tmp_path, capsys, layout):
     args = [*COMMON, *LAYOUTS[layout].split(), "--train-iters", "6"]
     ckpt = tmp_path / "ckpt"
     proc = run_gpt(2, *args, *_plus(ckpt, 3), "--dump-state", str(tmp_path / "plus"))
@@ -74,6 +76,13 @@ def test_replica_equals_the_training_state(tmp_path, layout):
 
     traces = [json.loads(p.read_text()) for p in sorted((ckpt / "diffckpt" / "trace").iterdir())]
     assert len(traces) == 2 and all(t["iterations"] for t in traces)
+    # The CLI reads the run: its mode, the traces, the recoverable iteration; nothing damaged.
+    capsys.readouterr()
+    assert cli.main(["inspect", str(ckpt), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["mode"] == "lowdiff-plus" and info["recoverable_iteration"] == 6
+    assert len(info["lowdiff_plus_traces"]) == 2
+    assert cli.main(["verify", str(ckpt)]) == 0
     if "pp2" not in layout:
         return
     # PP=2: copies were issued inside bubbles (waits on the other stage)...

@@ -75,7 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
     g.add_argument("--load", type=str, default=None, help="Directory to resume from.")
     g.add_argument("--save-interval", type=_positive(int), default=None)
-    g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    g.add_argument(
+        "--ckpt-format",
+        choices=("torch_dist", "torch_dcp"),
+        default="torch_dist",
+        help="torch_dist: megatron dist_checkpointing (the bases of differential checkpointing); "
+        "torch_dcp: PyTorch DCP, for comparison",
+    )
     g.add_argument("--async-save", action="store_true")
     g.add_argument(
         "--exit-interval",
@@ -193,6 +199,11 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         parser.error(str(exc))
     if args.diffckpt.auto_tune and not args.diffckpt.enabled:
         parser.error("--diffckpt-auto-tune needs --diffckpt-mode lowdiff")
+    if args.ckpt_format == "torch_dcp" and args.diffckpt.compressor != "none":
+        parser.error(
+            "--ckpt-format torch_dcp does not save the compressed exchange's error-feedback "
+            "residuals; use torch_dist"
+        )
     if args.diffckpt.enabled:
         if args.save is None:
             parser.error(f"--diffckpt-mode {args.diffckpt.mode} needs --save DIR")
@@ -200,6 +211,11 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
             parser.error(
                 "--diffckpt-mode continues the differential log of --load: use the same folder "
                 f"for --save (got --load {args.load}, --save {args.save})"
+            )
+        if args.ckpt_format != "torch_dist":
+            parser.error(
+                f"--diffckpt-mode {args.diffckpt.mode} writes torch_dist bases; "
+                f"--ckpt-format {args.ckpt_format} is not supported with it"
             )
         if args.diffckpt.mode == "lowdiff-plus" and not args.use_distributed_optimizer:
             parser.error("--diffckpt-mode lowdiff-plus needs --use-distributed-optimizer")

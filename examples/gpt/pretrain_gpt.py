@@ -349,7 +349,14 @@ def main(argv=None) -> int:
     iteration, consumed = 0, 0
     if args.load is not None:
         load_start = time.perf_counter()
-        iteration, consumed = Checkpointer.load(args.load, model, optimizer, scheduler, residuals)
+        if args.ckpt_format == "torch_dcp":
+            from dcp_checkpointing import DcpCheckpointer
+
+            iteration, consumed = DcpCheckpointer.load(args.load, model, optimizer, scheduler)
+        else:
+            iteration, consumed = Checkpointer.load(
+                args.load, model, optimizer, scheduler, residuals
+            )
         if manager is not None:
             iteration, scheduler_steps, replayed_consumed = manager.recover(
                 iteration, base_load_s=time.perf_counter() - load_start
@@ -361,9 +368,14 @@ def main(argv=None) -> int:
             logger.info("recovered to iteration %d", iteration)
     if iteration in args.dump_state_at:
         dump_state(_dump_dir(args, iteration), model, optimizer, [])
-    checkpointer = Checkpointer(
-        args.save, args.async_save, manager.on_base_published if manager else None, residuals
-    )
+    if args.ckpt_format == "torch_dcp":
+        from dcp_checkpointing import DcpCheckpointer
+
+        checkpointer = DcpCheckpointer(args.save, args.async_save)
+    else:
+        checkpointer = Checkpointer(
+            args.save, args.async_save, manager.on_base_published if manager else None, residuals
+        )
     if manager is not None:
         manager.start(iteration, args.base_interval)
 

@@ -16,7 +16,10 @@ __all__ = ["TESTED_MEGATRON_CORE_VERSIONS", "MegatronDriftError", "MethodPatch",
 
 # Module names of every patch, for the drift test and for tools that list them.
 ALL_PATCHES = (
+    "megatron_diffckpt.patches.bucket_snapshot",
     "megatron_diffckpt.patches.grad_sync",
     "megatron_diffckpt.patches.optimizer_step",
+    "megatron_diffckpt.patches.pipeline_bubbles",
+    "megatron_diffckpt.patches.replica_state",
     "megatron_diffckpt.patches.torch_adam_state",
 )
