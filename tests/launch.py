@@ -132,6 +132,14 @@ def run_script(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:
     )
 
 
+def recovered_iteration(proc: subprocess.CompletedProcess) -> int:
+    """The iteration a resumed run says it recovered to (``recovered to iteration N``)."""
+    log = proc.stdout + proc.stderr
+    m = re.search(r"recovered to iteration (\d+)", log)
+    assert m, log[-3000:]
+    return int(m.group(1))
+
+
 def load_dumps(path: Path, nproc: int) -> list[dict]:
     """The per-rank states that ``--dump-state`` wrote."""
     return [torch.load(path / f"rank_{r}.pt", weights_only=True) for r in range(nproc)]

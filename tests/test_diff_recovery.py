@@ -8,10 +8,15 @@ losses must equal an uninterrupted run's (``torch.equal``). Real processes (torc
 
 from __future__ import annotations
 
-import re
-
 import pytest
-from launch import TINY_GPT, assert_same_state, load_dumps, run_gpt, run_until_killed
+from launch import (
+    TINY_GPT,
+    assert_same_state,
+    load_dumps,
+    recovered_iteration,
+    run_gpt,
+    run_until_killed,
+)
 
 TOTAL = 14
 BASE_INTERVAL = 5
@@ -49,9 +54,7 @@ def test_sigkill_then_replay_is_bit_exact(tmp_path, layout):
         str(tmp_path / "resumed"),
     )
     log = resumed.stdout + resumed.stderr
-    m = re.search(r"recovered to iteration (\d+)", log)
-    assert m, log[-3000:]
-    recovered = int(m.group(1))
+    recovered = recovered_iteration(resumed)
     assert recovered > BASE_INTERVAL and f"replayed diff {recovered - BASE_INTERVAL} of" in log
 
     straight = load_dumps(tmp_path / "straight", 2)
@@ -89,7 +92,7 @@ def test_compressed_training_recovers_the_exact_state_at_t(tmp_path):
     at_t = run_gpt(
         2, *common, "--train-iters", "1", *diff, "--load", ckpt, "--dump-state", str(tmp_path / "t")
     )
-    recovered = int(re.search(r"recovered to iteration (\d+)", at_t.stdout + at_t.stderr)[1])
+    recovered = recovered_iteration(at_t)
     assert recovered > BASE_INTERVAL
     run_gpt(2, *common, "--train-iters", str(recovered), "--dump-state", str(tmp_path / "ref_t"))
     reference, at_t_dumps = load_dumps(tmp_path / "ref_t", 2), load_dumps(tmp_path / "t", 2)

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from launch import (
     TINY_GPT,
     assert_same_state,
     load_dumps,
+    recovered_iteration,
     run_gpt,
     run_script,
     run_until_killed,
@@ -136,10 +136,7 @@ def _resume_and_compare(tmp_path, args, ckpt, total: int, base: int) -> int:
         "--dump-state",
         str(tmp_path / "resumed"),
     )
-    log = resumed.stdout + resumed.stderr
-    m = re.search(r"recovered to iteration (\d+)", log)
-    assert m, log[-3000:]
-    recovered = int(m.group(1))
+    recovered = recovered_iteration(resumed)
     straight, after = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
     for rank in range(2):
         assert after[rank]["losses"] == straight[rank]["losses"][recovered:]

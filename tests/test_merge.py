@@ -23,6 +23,28 @@ def _training_optimizer(seed: int = 0) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
 
+@pytest.fixture
+def merger_of():
+    """``merger_of(slots)``: (training optimizer, snapshotter, merger anchored at 0); closed."""
+    made = []
+
+    def make(slots: int):
+        training = _training_optimizer()
+        snap = BucketSnapshotter(SHARDS, slots=slots)
+        merger = ReplicaMerger(LAYOUT, snap)
+        merger.anchor([training], iteration=0)
+        made.append((snap, merger))
+        return training, snap, merger
+
+    yield make
+    for snap, merger in made:
+        try:
+            merger.close()
+        except RuntimeError:
+            pass  # a test that made the merger fail checks that itself
+        snap.close()
+
+
 def _fill_and_submit(snap, merger, iteration, buckets, inputs):
     for key, value in buckets.items():
         snap.on_bucket_ready(key, value, None)
@@ -44,11 +66,8 @@ def _train_step(opt, buckets, inputs):
     opt.step()
 
 
-def test_replica_is_bit_identical_to_the_training_optimizer_over_steps():
-    training = _training_optimizer()
-    snap = BucketSnapshotter(SHARDS, slots=2)
-    merger = ReplicaMerger(LAYOUT, snap)
-    merger.anchor([training], iteration=0)
+def test_replica_is_bit_identical_to_the_training_optimizer_over_steps(merger_of):
+    training, snap, merger = merger_of(2)
     gen = torch.Generator().manual_seed(1)
     for it in range(1, 9):
         buckets = {k: torch.randn(n, generator=gen) for k, (n, _) in SHARDS.items()}
@@ -65,15 +84,10 @@ def test_replica_is_bit_identical_to_the_training_optimizer_over_steps():
             assert torch.equal(p_t, p_r)
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
-    merger.close()
-    snap.close()
 
 
-def test_a_skipped_step_leaves_the_replica_unchanged_and_frees_its_slot():
-    training = _training_optimizer()
-    snap = BucketSnapshotter(SHARDS, slots=1)
-    merger = ReplicaMerger(LAYOUT, snap)
-    merger.anchor([training], iteration=0)
+def test_a_skipped_step_leaves_the_replica_unchanged_and_frees_its_slot(merger_of):
+    training, snap, merger = merger_of(1)
     before = [p.clone() for g in merger.optimizers[0].param_groups for p in g["params"]]
     buckets = {k: torch.full((n,), float("inf")) for k, (n, _) in SHARDS.items()}
     for it in (1, 2):  # one slot: the second iteration needs the first one's slot back
@@ -82,15 +96,10 @@ def test_a_skipped_step_leaves_the_replica_unchanged_and_frees_its_slot():
     after = [p for g in merger.optimizers[0].param_groups for p in g["params"]]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert not merger.optimizers[0].state  # no step ran
-    merger.close()
-    snap.close()
 
 
-def test_anchor_copies_into_the_existing_replica_tensors():
-    training = _training_optimizer()
-    snap = BucketSnapshotter(SHARDS, slots=1)
-    merger = ReplicaMerger(LAYOUT, snap)
-    merger.anchor([training], iteration=0)
+def test_anchor_copies_into_the_existing_replica_tensors(merger_of):
+    training, snap, merger = merger_of(1)
     replica_param = merger.optimizers[0].param_groups[0]["params"][0]
     with torch.no_grad():
         training.param_groups[0]["params"][0].add_(1.0)
@@ -98,15 +107,10 @@ def test_anchor_copies_into_the_existing_replica_tensors():
     assert merger.merged_iteration == 5
     assert merger.optimizers[0].param_groups[0]["params"][0] is replica_param  # same tensor
     assert torch.equal(replica_param, training.param_groups[0]["params"][0])
-    merger.close()
-    snap.close()
 
 
-def test_a_missing_bucket_fails_loudly_on_the_training_thread():
-    training = _training_optimizer()
-    snap = BucketSnapshotter(SHARDS, slots=2)
-    merger = ReplicaMerger(LAYOUT, snap)
-    merger.anchor([training], iteration=0)
+def test_a_missing_bucket_fails_loudly_on_the_training_thread(merger_of):
+    training, snap, merger = merger_of(2)
     snap.on_bucket_ready("b0", torch.zeros(10), None)  # b1 never reduced
     inputs = StepInputs(groups={"o0.g0": [1e-3, 0.0], "o0.g1": [1e-3, 0.0]})
     merger.submit(MergeJob(1, snap.finish_iteration(1), inputs, 1, 0, None))
@@ -114,5 +118,4 @@ def test_a_missing_bucket_fails_loudly_on_the_training_thread():
         merger.wait_merged(1)
     assert "bucket b1 was not snapshotted" in str(info.value.__cause__)
     with pytest.raises(RuntimeError, match="merger failed"):
-        merger.close()
-    snap.close()
+        merger.submit(MergeJob(2, None, StepInputs(), 2, 0, None))

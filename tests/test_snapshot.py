@@ -111,3 +111,25 @@ def test_unknown_bucket_and_wrong_size_are_refused():
     with pytest.raises(ValueError, match="shard has 5 elements"):
         snap.on_bucket_ready("b0", torch.zeros(5), None)
     snap.close()
+
+
+def test_a_reduction_is_not_waited_on_after_megatron_finished_it():
+    """With gloo every ``wait()`` copies the reduction's result into the bucket again: a wait after
+    megatron's ``finish_grad_sync`` would undo what megatron did to the bucket since (the shared
+    embedding's all-reduce, clipping). The snapshot's handle waits only before."""
+    from megatron_diffckpt.patches.bucket_snapshot import _GuardedReduction
+
+    bucket = torch.zeros(4)
+    handle = _Reduction(bucket, 3.0)
+    handle.complete()
+    reduction = _GuardedReduction(handle, threading.Lock())
+    reduction.wait()  # during the backward pass: the result lands
+    assert bucket.tolist() == [3.0] * 4
+    reduction.finished = True  # megatron's finish_grad_sync returned
+    bucket.mul_(0.5)  # e.g. clipping
+    handle.tensor = bucket
+    handle.complete = None
+    calls = []
+    handle.wait = lambda: calls.append(1)
+    reduction.wait()
+    assert calls == [] and bucket.tolist() == [1.5] * 4

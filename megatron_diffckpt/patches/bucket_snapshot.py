@@ -12,6 +12,13 @@
 3. The distributed optimizer's shard layout (``gbuf_ranges``): where each main parameter's
    gradient sits in this rank's shard of a bucket.
 
+Waiting on a reduction's handle is not idempotent everywhere: with gloo, every ``wait()`` copies
+the reduction's result into the bucket again. Once megatron's ``finish_grad_sync`` has waited, the
+bucket may change (the shared-embedding all-reduce, clipping), so a late ``wait()`` would undo
+those changes. The snapshot's handle (:class:`_GuardedReduction`) therefore waits only while
+megatron has not, under a per-group lock that megatron's ``finish_grad_sync`` (wrapped per
+instance) also holds.
+
 Gradients that megatron changes *after* the DP reduction (the word-embedding gradient shared by
 the first and last pipeline stages, and the tensor-parallel-replicated ones of
 ``_allreduce_non_tensor_model_parallel_grads``) are copied again at the flush, from their final
@@ -21,6 +28,7 @@ values.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +80,12 @@ PATCHES = PatchSet(
             expected_signature="(self, force_all_reduce: Optional[bool] = False)",
             make_wrapper=lambda original: original,
             purpose="snapshot each reduced gradient bucket to host memory (LowDiff+)",
+            requires=(
+                (
+                    f"{_BUCKETS}.finish_grad_sync",
+                    "(self, force_all_reduce: Optional[bool] = False)",
+                ),
+            ),
         ),
     )
 )
@@ -207,6 +221,21 @@ def _changed_after_reduction(param: Any, sequence_parallel: bool) -> bool:
 _ATTACHED = "_diffckpt_snapshot_start_grad_sync"
 
 
+class _GuardedReduction:
+    """A bucket group's reduction handle that the snapshot worker may wait on only until
+    megatron's ``finish_grad_sync`` has (see the module docstring)."""
+
+    def __init__(self, handle: Any, lock: threading.Lock):
+        self.handle = handle
+        self.lock = lock
+        self.finished = False  # megatron's finish_grad_sync has returned
+
+    def wait(self) -> None:
+        with self.lock:
+            if not self.finished and self.handle is not None:
+                self.handle.wait()
+
+
 def attach(model_chunks: list[Any], optimizer: Any, snapshotter: BucketSnapshotter) -> None:
     """Snapshot every bucket of ``model_chunks`` when its reduction starts. Any rank.
 
@@ -232,15 +261,36 @@ def attach(model_chunks: list[Any], optimizer: Any, snapshotter: BucketSnapshott
                         start, end = lo - offset, hi - offset
                         refresh.append((keys[id(bucket)], start, end, shard[start:end]))
             original = bucket_group.start_grad_sync
+            original_finish = bucket_group.finish_grad_sync
+            lock = threading.Lock()
+            current: list[_GuardedReduction] = []
 
-            def start_grad_sync(force_all_reduce=False, _original=original, _group=bucket_group):
+            def start_grad_sync(
+                force_all_reduce=False, _original=original, _group=bucket_group, _lock=lock,
+                _current=current,
+            ):  # fmt: skip
                 _original(force_all_reduce=force_all_reduce)
                 handle = _group.grad_reduce_handle
+                if handle is not None and any(r.handle is handle for r in _current):
+                    return  # megatron's no-op restart of an already dispatched reduction
+                reduction = _GuardedReduction(handle, _lock)
+                _current.append(reduction)
                 for b in _group.buckets:
-                    snapshotter.on_bucket_ready(keys[id(b)], _local_shard(_group, b), handle)
+                    snapshotter.on_bucket_ready(keys[id(b)], _local_shard(_group, b), reduction)
+
+            def finish_grad_sync(
+                force_all_reduce=False, _original=original_finish, _lock=lock, _current=current
+            ):
+                with _lock:
+                    result = _original(force_all_reduce=force_all_reduce)
+                    for reduction in _current:
+                        reduction.finished = True
+                    _current.clear()
+                return result
 
             setattr(bucket_group, _ATTACHED, original)
             bucket_group.start_grad_sync = start_grad_sync
+            bucket_group.finish_grad_sync = finish_grad_sync
     snapshotter.refresh_at_flush = refresh
 
 
@@ -250,4 +300,5 @@ def detach(model_chunks: list[Any]) -> None:
         for bucket_group in bucket_groups(ddp):
             if hasattr(bucket_group, _ATTACHED):
                 del bucket_group.start_grad_sync
+                del bucket_group.finish_grad_sync
                 delattr(bucket_group, _ATTACHED)
