@@ -1,9 +1,9 @@
 """LowDiff+ end to end: real megatron-core on CPU processes (torchrun, gloo).
 
 - The host replica, merged from bucket snapshots, equals the training state bit for bit
-  (``torch.equal``) for (TP, PP, DP) = (1, 1, 2), (2, 1, 1), (1, 2, 1), with gradient clipping
-  active; with PP = 2 the trace shows snapshot copies issued inside pipeline bubbles, and training
-  itself is unchanged.
+  (``torch.equal``) for (TP, PP, DP) = (1, 1, 2) in bf16, (2, 1, 1), (1, 2, 1), with gradient
+  clipping active; with PP = 2 the trace shows snapshot copies issued inside pipeline bubbles,
+  and training itself is unchanged.
 - A base written by the merger is a stock dist checkpoint: the example's plain loader
   (``dist_checkpointing.load`` with megatron's own sharded state dicts) loads it with
   differential checkpointing off, and training resumed from it equals straight training.
@@ -31,7 +31,7 @@ from launch import (
 from megatron_diffckpt import cli
 
 LAYOUTS = {
-    "tp1-pp1-dp2": "--overlap-grad-reduce",
+    "tp1-pp1-dp2-bf16": "--overlap-grad-reduce --bf16",
     "tp2-pp1-dp1": "--tensor-model-parallel-size 2",
     "tp1-pp2-dp1": "--pipeline-model-parallel-size 2 --overlap-grad-reduce",
 }
@@ -100,7 +100,9 @@ def test_replica_equals_the_training_state(tmp_path, capsys, layout):
 
 @pytest.mark.distributed
 def test_merger_base_loads_with_stock_dist_checkpointing_and_resumes_exactly(tmp_path):
-    args = [*COMMON, "--overlap-grad-reduce", "--train-iters", "8"]
+    # bf16: the base's model parameters are the replica's fp32 main parameters, cast as megatron
+    # casts them; fp32 is covered by the SIGKILL tests, which resume from merger bases too.
+    args = [*COMMON, "--overlap-grad-reduce", "--bf16", "--train-iters", "8"]
     ckpt = tmp_path / "ckpt"
     run_gpt(
         2,

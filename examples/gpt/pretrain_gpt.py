@@ -145,6 +145,12 @@ def build_model_and_optimizer(args):
     )
     if not _use_cpu(args):
         model.cuda(torch.cuda.current_device())
+    if args.bf16:
+        # As Megatron-LM: casts the first stage's inputs to bf16 and the last stage's outputs
+        # back to fp32; state dicts pass through to the GPT model.
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
