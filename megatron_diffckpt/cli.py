@@ -1,4 +1,4 @@
-"""``megatron-diffckpt``: inspect and verify a checkpoint folder with its diff log; plan at scale.
+"""``megatron-diffckpt``: inspect, verify, export and prune a checkpoint folder; plan at scale.
 
 Exit codes a script can rely on: 0 all good; 1 damage found (``verify``) or nothing recoverable
 (``inspect``); 2 bad usage or not a checkpoint folder.
@@ -14,9 +14,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field, fields
 
+from megatron_diffckpt import retention
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
     TRACKER_FILENAME,
@@ -25,6 +27,8 @@ from megatron_diffckpt.checkpoint_layout import (
     list_checkpoints,
 )
 from megatron_diffckpt.config import field_docs
+from megatron_diffckpt.export import ExportError, export_base
+from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.scale_plan import JobSpec, compare, expected_loss_hours
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import (
@@ -182,6 +186,65 @@ def _print_inspect(info: dict) -> None:
     print(f"recoverable iteration T: {info['recoverable_iteration']}")
 
 
+def _export(args: argparse.Namespace) -> int:
+    iteration = args.iteration
+    if iteration is None:
+        try:
+            iteration = find_latest_iteration(args.dir)
+        except CheckpointNotFoundError as exc:
+            print(f"megatron-diffckpt export: {exc}", file=sys.stderr)
+            return 1
+    try:
+        summary = export_base(args.dir, iteration, args.out, progress=not args.quiet)
+    except ExportError as exc:
+        print(f"megatron-diffckpt export: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"exported base {summary['iteration']} ({summary['entries']} entries, "
+        f"{summary['tensor_bytes'] / 1e6:.1f} MB of tensors) to {summary['out']} "
+        f"in {summary['seconds']:.1f} s"
+    )
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        print("megatron-diffckpt prune: --keep must be >= 1", file=sys.stderr)
+        return 2
+    ddir = _diff_dir(args.dir, args.diff_dir)
+    rank_dirs = (
+        [os.path.join(ddir, n) for n in sorted(os.listdir(ddir)) if _RANK_RE.match(n)]
+        if os.path.isdir(ddir)
+        else []
+    )
+    bases = retention.bases_to_prune(args.dir, args.keep)
+    segments = [s for d in rank_dirs for s in retention.segments_to_prune(args.dir, d, args.keep)]
+    freed = sum(_tree_bytes(p) for p in bases + segments)
+    verb = "would remove" if args.dry_run else "removed"
+    if not args.dry_run:
+        bar = Progress("prune", len(bases) + len(segments), "paths")
+        for path in bases:
+            shutil.rmtree(path)
+            bar.update()
+        for path in segments:
+            os.remove(path)
+            bar.update()
+        bar.close()
+    for path in bases + segments:
+        print(f"{verb} {os.path.relpath(path, args.dir)}")
+    print(
+        f"{verb} {len(bases)} base(s) and {len(segments)} segment(s), {freed / 1e6:.1f} MB; "
+        f"keeping the newest {args.keep} complete base(s)"
+    )
+    return 0
+
+
+def _tree_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 GPU_SWEEP = (8, 32, 128, 512, 2048, 8192, 16384)
 
 
@@ -286,6 +349,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
         if name == "inspect":
             p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("export", help="one base as a single torch file")
+    p.add_argument("dir", help="the checkpoint folder (--save)")
+    p.add_argument("--iteration", type=int, default=None, help="the base (default: the newest)")
+    p.add_argument("--out", required=True, help="the file to write")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p = sub.add_parser("prune", help="retention: keep the newest K bases and what they replay")
+    p.add_argument("dir", help="the checkpoint folder (--save)")
+    p.add_argument("--keep", type=int, required=True, help="complete bases to keep (>= 1)")
+    p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
+    p.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
     _add_tune_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "tune":
@@ -293,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.dir):
         print(f"megatron-diffckpt: {args.dir}: no such directory", file=sys.stderr)
         return 2
+    if args.command == "export":
+        return _export(args)
+    if args.command == "prune":
+        return _prune(args)
     if args.command == "inspect":
         info = inspect_dir(args.dir, args.diff_dir)
         if args.json:

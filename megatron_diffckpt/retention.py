@@ -38,17 +38,28 @@ def oldest_kept_base(root: str, keep: int) -> int | None:
     return bases[-keep] if len(bases) >= keep else None
 
 
-def prune_bases(root: str, keep: int) -> list[str]:
-    """Remove base folders older than the oldest kept one. Rank 0 only. Returns what it removed."""
+def bases_to_prune(root: str, keep: int) -> list[str]:
+    """The base folders retention removes: every one older than the oldest kept base."""
     oldest = oldest_kept_base(root, keep)
     if oldest is None:
         return []
+    return [checkpoint_dir(root, i) for i, _ in list_checkpoints(root) if i < oldest]
+
+
+def segments_to_prune(root: str, rank_dir: str, keep: int) -> list[str]:
+    """This rank's segments retention removes: those no kept base can replay."""
+    oldest = oldest_kept_base(root, keep)
+    if oldest is None:
+        return []
+    return [path for _, last, path in list_segments(rank_dir) if last <= oldest]
+
+
+def prune_bases(root: str, keep: int) -> list[str]:
+    """Remove base folders older than the oldest kept one. Rank 0 only. Returns what it removed."""
     removed = []
-    for iteration, _ in list_checkpoints(root):
-        if iteration < oldest:
-            path = checkpoint_dir(root, iteration)
-            shutil.rmtree(path)
-            removed.append(os.path.basename(path))
+    for path in bases_to_prune(root, keep):
+        shutil.rmtree(path)
+        removed.append(os.path.basename(path))
     if removed:
         logger.info("retention (keep %d bases): removed %s", keep, ", ".join(removed))
     return removed
@@ -56,19 +67,14 @@ def prune_bases(root: str, keep: int) -> list[str]:
 
 def prune_diff_log(root: str, rank_dir: str, keep: int) -> list[str]:
     """Remove this rank's segments that no kept base can replay. Any rank, its own folder."""
-    oldest = oldest_kept_base(root, keep)
-    if oldest is None:
-        return []
     removed = []
-    for _, last, path in list_segments(rank_dir):
-        if last <= oldest:
-            os.remove(path)
-            removed.append(os.path.basename(path))
+    for path in segments_to_prune(root, rank_dir, keep):
+        os.remove(path)
+        removed.append(os.path.basename(path))
     if removed:
         logger.info(
-            "retention: removed %d segment(s) at or before base %d from %s",
+            "retention: removed %d segment(s) no kept base can replay from %s",
             len(removed),
-            oldest,
             os.path.basename(rank_dir),
         )
     return removed

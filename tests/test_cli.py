@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -105,3 +106,61 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
 def test_tune_refuses_a_layout_that_does_not_divide(capsys):
     assert main(["tune", "--gpus", "100", "--tensor-parallel", "8"]) == 2
     assert "not a multiple of TP x PP" in capsys.readouterr().err
+
+
+def _dcp_base(root, iteration: int, tensors: dict, common: dict) -> None:
+    """A base as torch_dist writes it: a DCP checkpoint, common.pt, metadata.json last."""
+    import torch.distributed.checkpoint as dcp
+
+    d = root / f"iter_{iteration:07d}"
+    with warnings.catch_warnings():  # "assuming ... a single process": it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(tensors, checkpoint_id=str(d), no_dist=True)
+    torch.save(common, d / "common.pt")
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+
+
+def test_export_writes_one_file_with_every_tensor_and_the_common_state(tmp_path, capsys):
+    tensors = {"decoder.weight": torch.arange(12.0).view(3, 4), "opt.exp_avg": torch.ones(5)}
+    _dcp_base(tmp_path, 4, tensors, {"iteration": 4, "opt_param_scheduler": {"num_steps": 32}})
+    _dcp_base(tmp_path, 8, {k: v * 2 for k, v in tensors.items()}, {"iteration": 8})
+    publish_iteration(str(tmp_path), 8)
+    out = tmp_path / "export.pt"
+    assert main(["export", str(tmp_path), "--iteration", "4", "--out", str(out)]) == 0
+    assert "exported base 4" in capsys.readouterr().out
+    exported = torch.load(out, weights_only=False)
+    assert exported["format"] == "megatron-diffckpt-export-v1" and exported["iteration"] == 4
+    assert exported["tensors"].keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert torch.equal(exported["tensors"][key], value)
+    assert exported["common"]["opt_param_scheduler"] == {"num_steps": 32}
+    # Default: the newest base.
+    assert main(["export", str(tmp_path), "--out", str(out), "--quiet"]) == 0
+    assert torch.equal(
+        torch.load(out, weights_only=False)["tensors"]["opt.exp_avg"], 2 * torch.ones(5)
+    )
+    # Not a base: exit 1, with what exists and what to do.
+    assert main(["export", str(tmp_path), "--iteration", "6", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "no complete base of iteration 6" in err and "[4, 8]" in err
+
+
+def test_prune_dry_run_lists_then_prune_removes_what_no_kept_base_replays(tmp_path, capsys):
+    _folder(tmp_path, iterations=8, base=4)
+    for it in (2, 6):  # an older base, and a newer one the tracker will name
+        d = tmp_path / f"iter_{it:07d}"
+        d.mkdir()
+        (d / "metadata.json").write_text("{}")
+    publish_iteration(str(tmp_path), 6)
+    before = sorted(p.name for p in (tmp_path / "diffckpt" / "rank_0_0_0").iterdir())
+    assert main(["prune", str(tmp_path), "--keep", "2", "--dry-run"]) == 0
+    listed = capsys.readouterr().out
+    assert "would remove iter_0000002" in listed and "iter_0000004" not in listed
+    assert sorted(p.name for p in (tmp_path / "diffckpt" / "rank_0_0_0").iterdir()) == before
+    assert main(["prune", str(tmp_path), "--keep", "2"]) == 0
+    assert not (tmp_path / "iter_0000002").exists() and (tmp_path / "iter_0000004").exists()
+    kept = sorted(p.name for p in (tmp_path / "diffckpt" / "rank_0_0_0").iterdir())
+    # Segments ending at or before base 4 (the oldest kept) go; the rest stay.
+    assert kept == [n for n in before if int(n.split("_")[2].split(".")[0]) > 4]
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert main(["prune", str(tmp_path), "--keep", "0"]) == 2
