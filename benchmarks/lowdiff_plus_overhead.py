@@ -5,7 +5,7 @@ Run (from the repository root; ``make bench`` installs the plotting requirements
     .venv/bin/python benchmarks/lowdiff_plus_overhead.py [--repeats 3] [--iters 20]
 
 One invocation, the configurations interleaved round by round so that drift of the machine hits
-them alike. Each trains the same uncompressed GPT (DESIGN.md's calibration model, 2 processes,
+them alike. Each trains the same uncompressed GPT (``MODEL`` of lowdiff_overhead.py, 2 processes,
 the distributed optimizer with overlapped gradient reduction):
 
 - ``none``: no checkpoints;
@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -251,7 +252,7 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU"
         if not _cuda()
         else f"{platform.machine()}, GPU",
-        "params_desc": "4 layers, hidden 256, seq 256 (11.4M parameters)",
+        "params_desc": _model_description(work),
         "model_args": MODEL,
         "plus_base_interval": PLUS_BASE_INTERVAL,
         **measure(work, args.repeats, args.iters),
@@ -263,6 +264,18 @@ def main() -> int:
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out}")
     return 0
+
+
+def _model_description(work: Path) -> str:
+    """The model as the first run's log describes it."""
+    text = (work / "none_0.log").read_text()
+    m = re.search(
+        r"GPT: (\d+) layers, hidden (\d+), \d+ heads, seq (\d+);.*?(\d+) parameters", text
+    )
+    if not m:
+        return "see model_args"
+    layers, hidden, seq, params = m.groups()
+    return f"{layers} layers, hidden {hidden}, seq {seq} ({int(params) / 1e6:.1f}M parameters)"
 
 
 def _cuda() -> bool:
