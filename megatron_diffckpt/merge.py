@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.writer import DiffLogWriter
@@ -94,7 +95,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def _replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A host optimizer with ``opt``'s parameters, options and state, copied."""
     groups = []
     for group in opt.param_groups:
@@ -111,6 +112,11 @@ def _replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         )
     _copy_state(opt, replica, into_existing=False)
     return replica
+
+
+def copy_optimizer_state(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
+    """Copy ``src``'s parameters and state into ``dst``'s tensors (same structure)."""
+    _copy_state(src, dst, into_existing=True)
 
 
 def _copy_state(src: torch.optim.Optimizer, dst: torch.optim.Optimizer, into_existing: bool):
@@ -171,11 +177,11 @@ class ReplicaMerger:
         ``iteration``). Waits until earlier jobs are merged. The training thread."""
         self.wait_idle()
         if not self.optimizers:
-            self.optimizers = [None if o is None else _replica_of(o) for o in torch_optimizers]
+            self.optimizers = [None if o is None else replica_of(o) for o in torch_optimizers]
         else:
             for src, dst in zip(torch_optimizers, self.optimizers, strict=True):
                 if src is not None:
-                    _copy_state(src, dst, into_existing=True)
+                    copy_optimizer_state(src, dst)
         with self._cond:
             self._merged = iteration
             self._cond.notify_all()
@@ -222,6 +228,7 @@ class ReplicaMerger:
             raise RuntimeError("LowDiff+ merger failed") from self._error
 
     def _run(self) -> None:
+        lower_priority()  # training first on a busy host
         while True:
             item = self._queue.get()
             try:

@@ -10,9 +10,10 @@ The :class:`~megatron_diffckpt.manager.DiffCheckpointManager` owns one :class:`L
    coefficient, learning rates and weight decays;
 3. end of iteration: the slot and those scalars go to the :class:`ReplicaMerger` thread, which
    steps the host replica (and appends the exact step input to the diff log);
-4. base due: once the replica holds the iteration, megatron plans a stock dist checkpoint of it
-   on the training thread (a collective; values are read later), the merger thread writes it, and
-   once every rank has written, the training thread finalizes it (metadata last) and publishes it.
+4. base due: once the replica holds the iteration, the training thread copies it into a persist
+   buffer (a host memcpy; the merger goes on with the next iterations) and megatron plans a stock
+   dist checkpoint of the copy (a collective); a persister thread writes it, and once every rank
+   has written, the training thread finalizes it (metadata last) and publishes it.
 
 Collective rule: :meth:`start`, :meth:`end_iteration`, :meth:`persist_base` and :meth:`close` are
 called by all ranks together (``end_iteration`` is a collective while a base is being written).
@@ -25,14 +26,22 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from megatron_diffckpt import recovery
+from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.capture import capture_rng
-from megatron_diffckpt.merge import MergeJob, ReplicaMerger, StepInputs, host_group_like
+from megatron_diffckpt.merge import (
+    MergeJob,
+    ReplicaMerger,
+    StepInputs,
+    copy_optimizer_state,
+    host_group_like,
+    replica_of,
+)
 from megatron_diffckpt.patches import bucket_snapshot, optimizer_step, pipeline_bubbles
 from megatron_diffckpt.patches.replica_state import ReplicaModelParams, replica_view
 from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
@@ -40,9 +49,9 @@ from megatron_diffckpt.storage.writer import DiffLogWriter
 
 logger = logging.getLogger(__name__)
 
-# plan(optimizer_view, model_params) -> (write, finalize): ``write`` runs on the merger thread
-# (reads the replica), ``finalize`` on the training thread, on all ranks together, once every
-# rank has written.
+# plan(optimizer_view, model_params) -> (write, finalize): ``write`` runs on the persister thread
+# (reads the persist copy of the replica), ``finalize`` on the training thread, on all ranks
+# together, once every rank has written.
 PlanBase = Callable[[Any, ReplicaModelParams], tuple[Callable[[], None], Callable[[], None]]]
 
 
@@ -97,6 +106,8 @@ class LowDiffPlus:
         dp_group = next(o for o in inners if not getattr(o, "is_stub_optimizer", False))
         self._host_group = host_group_like(dp_group.data_parallel_group)
         self.model_params = ReplicaModelParams(optimizer, layout, self._host_group)
+        self._persist_copies: list[torch.optim.Optimizer | None] | None = None
+        self._persister = ThreadPoolExecutor(1, thread_name_prefix="diffckpt-persister")
         self._inputs = StepInputs()
         self._submitted = 0
         self._persist: tuple[int, Future, Callable[[], None]] | None = None
@@ -166,23 +177,36 @@ class LowDiffPlus:
                 iteration,
             )
             self._poll_persist(block=True)
-        self.merger.wait_merged(iteration)
+        self.merger.wait_merged(iteration)  # the merger is idle: nothing after it was submitted
         if self.device != "cpu":
             self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
-        view = replica_view(self.optimizer, self.merger.optimizers)
-        write, finalize = plan(view, self.model_params)
+        copies = self._snapshot_replica()
+        write, finalize = plan(replica_view(self.optimizer, copies), self.model_params)
 
         def write_replica():
+            lower_priority()
             began = time.perf_counter()
-            self.model_params.fill(self.merger.optimizers)
+            self.model_params.fill(copies)
             write()
             return time.perf_counter() - began
 
-        future = self.merger.run_after(write_replica)
+        future = self._persister.submit(write_replica)
         self._persist = (iteration, future, finalize)
         blocked = time.perf_counter() - start
         self.base_stall_seconds += blocked
         return blocked
+
+    def _snapshot_replica(self) -> list[torch.optim.Optimizer | None]:
+        """Copy the (idle) replica into the persist buffers, created on first use."""
+        if self._persist_copies is None:
+            self._persist_copies = [
+                None if o is None else replica_of(o) for o in self.merger.optimizers
+            ]
+        else:
+            for src, dst in zip(self.merger.optimizers, self._persist_copies, strict=True):
+                if src is not None:
+                    copy_optimizer_state(src, dst)
+        return self._persist_copies
 
     def _poll_persist(self, block: bool) -> None:
         """Finalize the pending base when every rank has written it. All ranks."""
@@ -236,6 +260,7 @@ class LowDiffPlus:
         pipeline_bubbles.deactivate()
         self.merger.close()
         self.snapshotter.close()
+        self._persister.shutdown(wait=True)
         summary = summarize_traces(list(self.snapshotter.traces))
         logger.info(
             "LowDiff+: merged through iteration %d; merger busy %.2f s; training waited %.2f s "

@@ -59,8 +59,9 @@ def run_gpt(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedP
 def run_until_killed(
     args: list[str], kill_after: int | None = None, kill_when_exists: Path | None = None
 ) -> str:
-    """Start a 2-process training, SIGKILL every process once ``kill_after`` iterations were
-    logged, or as soon as ``kill_when_exists`` appears on disk. Returns the output so far."""
+    """Start a 2-process training; SIGKILL every process once ``kill_after`` iterations were
+    logged and ``kill_when_exists`` is on disk (either alone when the other is not given).
+    Returns the output so far."""
     cmd = [
         sys.executable,
         "-m",
@@ -92,8 +93,9 @@ def run_until_killed(
     threading.Thread(target=follow, daemon=True).start()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
-        while not reached.is_set():
-            if kill_when_exists is not None and kill_when_exists.exists():
+        while True:
+            logged = pattern is None or reached.is_set()
+            if logged and (kill_when_exists is None or kill_when_exists.exists()):
                 break
             assert proc.poll() is None, "training ended before the kill point:\n" + "".join(
                 lines[-40:]

@@ -125,14 +125,14 @@ def test_merger_base_loads_with_stock_dist_checkpointing_and_resumes_exactly(tmp
         assert_same_state(straight[rank], resumed[rank], rank)
 
 
-def _resume_and_compare(tmp_path, args, ckpt, total: int, base: int) -> int:
+def _resume_and_compare(tmp_path, args, ckpt, total: int, interval: int) -> int:
     run_gpt(2, *args, "--train-iters", str(total), "--dump-state", str(tmp_path / "straight"))
     resumed = run_gpt(
         2,
         *args,
         "--train-iters",
         str(total),
-        *_plus(ckpt, base),
+        *_plus(ckpt, interval),
         "--load",
         str(ckpt),
         "--dump-state",
@@ -151,10 +151,15 @@ def _resume_and_compare(tmp_path, args, ckpt, total: int, base: int) -> int:
 def test_sigkill_while_merging_recovers_exactly_from_base_and_differentials(tmp_path):
     args = [*COMMON, "--overlap-grad-reduce"]
     ckpt = tmp_path / "ckpt"
-    run_until_killed([*args, "--train-iters", "1000", *_plus(ckpt, 4)], kill_after=7)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
-    recovered = _resume_and_compare(tmp_path, args, ckpt, total=12, base=4)
-    assert recovered > 4  # the differentials after the base were replayed
+    run_until_killed(
+        [*args, "--train-iters", "1000", *_plus(ckpt, 4)],
+        kill_after=7,
+        kill_when_exists=ckpt / "latest_checkpointed_iteration.txt",  # base 4 published
+    )
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() in ("4", "8")
+    base = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    recovered = _resume_and_compare(tmp_path, args, ckpt, total=12, interval=4)
+    assert recovered > base  # the differentials after the base were replayed
 
 
 @pytest.mark.distributed
@@ -168,7 +173,7 @@ def test_sigkill_while_a_base_is_written_keeps_the_previous_base(tmp_path):
     )
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert not (ckpt / "iter_0000008" / "metadata.json").exists()
-    recovered = _resume_and_compare(tmp_path, args, ckpt, total=12, base=4)
+    recovered = _resume_and_compare(tmp_path, args, ckpt, total=12, interval=4)
     assert recovered > 4
 
 

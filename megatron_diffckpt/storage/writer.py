@@ -22,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.storage.format import (
     DiffRecord,
@@ -208,6 +209,7 @@ class DiffLogWriter:
             ) from self._error
 
     def _run(self) -> None:
+        lower_priority()  # training first on a busy host
         while True:
             batch = self._queue.get()
             try:
