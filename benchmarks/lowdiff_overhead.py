@@ -157,31 +157,40 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def interleaved(names: list[str], repeats: int):
+    """``(round, name)``: every configuration once per round, the order rotated each round so
+    that drift of the machine hits them alike."""
+    for round_ in range(repeats):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            yield round_, name
+
+
+def measured(per_iteration: dict[int, float], total: int) -> list[float]:
+    """The measured window: after the warm-up, without the last iteration (it ends with a save)."""
+    return [per_iteration[i] for i in range(WARMUP + 1, total)]
+
+
 def measure_overhead(work: Path, repeats: int, iters: int) -> dict:
     total = WARMUP + iters + 1
     names = list(configs(""))
     per_run: dict[str, list[float]] = {n: [] for n in names}
     diff_run: dict[str, list[float]] = {n: [] for n in names}
     extra: dict[str, dict] = {}
-    for round_ in range(repeats):
-        order = names[round_ % len(names) :] + names[: round_ % len(names)]
-        for name in order:
-            ckpt = work / f"ckpt_{name}"
-            shutil.rmtree(ckpt, ignore_errors=True)
-            args = [*MODEL, "--train-iters", str(total), *configs(str(ckpt))[name]]
-            text, _ = run(args, work / f"{name}_{round_}.log")
-            times = iteration_times(text)
-            window = [times[i] for i in range(WARMUP + 1, total)]
-            per_run[name].append(statistics.median(window))
-            diffs = diff_times(text)
-            if diffs:
-                diff_run[name].append(statistics.median(diffs[i] for i in range(WARMUP + 1, total)))
-            print(f"round {round_ + 1}/{repeats} {name:12s} {per_run[name][-1] * 1000:8.1f} ms")
-            if round_ == 0 and name.startswith("lowdiff"):
-                extra[name] = diff_log_bytes(ckpt, total)
-            if round_ == 0 and name.startswith("stock"):
-                one = next(ckpt.glob("iter_*"))
-                extra[name] = {"bytes_per_iteration_per_rank": folder_bytes(one) / NPROC}
+    for round_, name in interleaved(names, repeats):
+        ckpt = work / f"ckpt_{name}"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        args = [*MODEL, "--train-iters", str(total), *configs(str(ckpt))[name]]
+        text, _ = run(args, work / f"{name}_{round_}.log")
+        per_run[name].append(statistics.median(measured(iteration_times(text), total)))
+        diffs = diff_times(text)
+        if diffs:
+            diff_run[name].append(statistics.median(measured(diffs, total)))
+        print(f"round {round_ + 1}/{repeats} {name:12s} {per_run[name][-1] * 1000:8.1f} ms")
+        if round_ == 0 and name.startswith("lowdiff"):
+            extra[name] = diff_log_bytes(ckpt, total)
+        if round_ == 0 and name.startswith("stock"):
+            one = next(ckpt.glob("iter_*"))
+            extra[name] = {"bytes_per_iteration_per_rank": folder_bytes(one) / NPROC}
     base = statistics.median(per_run["topk"])
     rows = {}
     for name in names:

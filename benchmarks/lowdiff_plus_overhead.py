@@ -63,7 +63,9 @@ from lowdiff_overhead import (  # noqa: E402
     WARMUP,
     diff_times,
     folder_bytes,
+    interleaved,
     iteration_times,
+    measured,
 )
 
 PLUS_BASE_INTERVAL = 10
@@ -142,38 +144,35 @@ def measure(work: Path, repeats: int, iters: int) -> dict:
     direct: dict[str, list[float]] = {n: [] for n in names}
     peak: dict[str, list[int]] = {n: [] for n in names}
     extra: dict[str, dict] = {n: {} for n in names}
-    for round_ in range(repeats):
-        order = names[round_ % len(names) :] + names[: round_ % len(names)]
-        for name in order:
-            ckpt = work / f"ckpt_{name}"
-            shutil.rmtree(ckpt, ignore_errors=True)
-            args = [*MODEL, "--train-iters", str(total), *configs(str(ckpt))[name]]
-            text, rss = run_sampled(args, work / f"{name}_{round_}.log")
-            times = iteration_times(text)
-            window = [times[i] for i in range(WARMUP + 1, total)]
-            med[name].append(statistics.median(window))
-            mean[name].append(statistics.fmean(window))
-            peak[name].append(rss)
-            diffs = diff_times(text)
-            if name.startswith("plus") and diffs:
-                direct[name].append(statistics.median(diffs[i] for i in range(WARMUP + 1, total)))
-            print(
-                f"round {round_ + 1}/{repeats} {name:12s} median {med[name][-1] * 1000:8.1f} ms "
-                f"mean {mean[name][-1] * 1000:8.1f} ms peak RSS {rss / 2**20:7.0f} MiB",
-                flush=True,
-            )
-            if round_ == 0 and name.startswith("plus"):
-                extra[name] = {
-                    **_trace_summary(ckpt),
-                    "diff_log_bytes_per_iteration_per_rank": sum(
-                        folder_bytes(d) for d in (ckpt / "diffckpt").glob("rank_*")
-                    )
-                    / NPROC
-                    / total,
-                }
-            if round_ == 0 and name in ("stock_sync", "dcp_async", "plus_f1"):
-                one = sorted(ckpt.glob("iter_*"))[-1]
-                extra[name]["checkpoint_bytes_per_rank"] = folder_bytes(one) / NPROC
+    for round_, name in interleaved(names, repeats):
+        ckpt = work / f"ckpt_{name}"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        args = [*MODEL, "--train-iters", str(total), *configs(str(ckpt))[name]]
+        text, rss = run_sampled(args, work / f"{name}_{round_}.log")
+        window = measured(iteration_times(text), total)
+        med[name].append(statistics.median(window))
+        mean[name].append(statistics.fmean(window))
+        peak[name].append(rss)
+        diffs = diff_times(text)
+        if name.startswith("plus") and diffs:
+            direct[name].append(statistics.median(measured(diffs, total)))
+        print(
+            f"round {round_ + 1}/{repeats} {name:12s} median {med[name][-1] * 1000:8.1f} ms "
+            f"mean {mean[name][-1] * 1000:8.1f} ms peak RSS {rss / 2**20:7.0f} MiB",
+            flush=True,
+        )
+        if round_ == 0 and name.startswith("plus"):
+            extra[name] = {
+                **_trace_summary(ckpt),
+                "diff_log_bytes_per_iteration_per_rank": sum(
+                    folder_bytes(d) for d in (ckpt / "diffckpt").glob("rank_*")
+                )
+                / NPROC
+                / total,
+            }
+        if round_ == 0 and name in ("stock_sync", "dcp_async", "plus_f1"):
+            one = sorted(ckpt.glob("iter_*"))[-1]
+            extra[name]["checkpoint_bytes_per_rank"] = folder_bytes(one) / NPROC
     rows = {}
     for name in names:
         reference = "none_pp2" if name.endswith("pp2") else "none"
