@@ -245,6 +245,7 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="lowdiff_plus_bench_"))
     work.mkdir(parents=True, exist_ok=True)
+    measurements = measure(work, args.repeats, args.iters)
     result = {
         "command": "python benchmarks/lowdiff_plus_overhead.py "
         f"--repeats {args.repeats} --iters {args.iters}",
@@ -254,7 +255,7 @@ def main() -> int:
         "params_desc": _model_description(work),
         "model_args": MODEL,
         "plus_base_interval": PLUS_BASE_INTERVAL,
-        **measure(work, args.repeats, args.iters),
+        **measurements,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "lowdiff_plus_overhead.json"
