@@ -31,6 +31,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet -r requirements/bench.txt
 	$(VENV)/bin/python benchmarks/lowdiff_overhead.py
+	$(VENV)/bin/python benchmarks/lowdiff_plus_overhead.py
 	$(VENV)/bin/python benchmarks/autotune_failures.py
 
 lint: $(STAMP)
