@@ -125,7 +125,7 @@ class LowDiffPlus:
         logger.info(
             "LowDiff+: %d snapshot slot(s) of %.1f MB in host memory (%s copies%s), replica "
             "anchored at iteration %d",
-            len(self.snapshotter._slots),
+            self.snapshotter.slots,
             self.snapshotter.nbytes / 1e6,
             self.device,
             ", deferred to pipeline bubbles" if self.pipelined else "",
@@ -135,9 +135,15 @@ class LowDiffPlus:
     # ----------------------------------------------------------------- hooks (training thread)
     def _on_clip(self, params: list[torch.Tensor], coeff: float | None) -> None:
         self.snapshotter.flush()  # megatron is about to scale the gradients in place
-        inner = self._first_param.get(id(params[0])) if params else None
-        if coeff is not None and inner is not None:
-            self._inputs.clip_coeffs[inner] = coeff
+        if coeff is None or not params:
+            return
+        inner = self._first_param.get(id(params[0]))
+        if inner is None:  # the replica would silently miss this scaling
+            raise RuntimeError(
+                "LowDiff+: megatron clipped gradients of parameters that belong to no known "
+                "inner optimizer; the replica cannot follow this optimizer layout"
+            )
+        self._inputs.clip_coeffs[inner] = coeff
 
     def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
         self.snapshotter.flush()
@@ -218,7 +224,7 @@ class LowDiffPlus:
         done = recovery.all_reduce_min([int(future.done())])[0]
         if not done:
             return
-        written_s = future.result()  # raises the merger thread's error, if any
+        written_s = future.result()  # raises the persister thread's error, if any
         self._persist = None
         finalize()
         logger.info(

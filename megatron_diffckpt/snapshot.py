@@ -170,6 +170,11 @@ class BucketSnapshotter:
         """Training-thread time spent here in the last finished iteration: issuing copies,
         waiting for a slot, flushing (waits inside :meth:`bubble` are the peer's, not counted)."""
 
+    @property
+    def slots(self) -> int:
+        """How many sets of host buffers there are."""
+        return len(self._slots)
+
     # ----------------------------------------------------------------- training thread
     def on_bucket_ready(self, key: str, source: torch.Tensor, handle: Any = None) -> None:
         """The reduction of bucket ``key`` was started (``handle``) or is done (``None``).

@@ -198,7 +198,7 @@ class Checkpointer:
         The returned function, given the optimizer's replica view and the replica's model
         parameters, plans a stock checkpoint of ``iteration`` on the training thread (the same
         keys and layout as :meth:`save`; scheduler, RNG states and counters are the training
-        loop's, now) and returns ``(write, finalize)``: ``write`` (the merger thread) writes this
+        loop's, now) and returns ``(write, finalize)``: ``write`` (the persister thread) writes this
         rank's files from the replica; ``finalize`` (all ranks) writes the metadata last and
         publishes the checkpoint.
         """

@@ -11,8 +11,8 @@ host replica instead of the training device:
   it returns references the replica's host tensors;
 - the model part is the model's own ``sharded_state_dict`` with each parameter replaced by a host
   tensor (:class:`ReplicaModelParams`), filled from the replica's main-parameter shards by an
-  all-gather over the data-parallel ranks (on a host group of the merger thread) and a cast to the
-  parameter's dtype (megatron's ``_copy_main_params_to_model_params`` does the same cast).
+  all-gather over the data-parallel ranks (on a host group of the persister thread) and a cast
+  to the parameter's dtype (megatron's ``_copy_main_params_to_model_params`` does the same cast).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def replica_view(optimizer: Any, replicas: list[torch.optim.Optimizer | None]) -
 class ReplicaModelParams:
     """Host copies of this rank's model parameters, rebuilt from the replica's shards.
 
-    Built on the training thread; :meth:`fill` runs on the merger thread, collectively over the
+    Built on the training thread; :meth:`fill` runs on the persister thread, collectively over the
     data-parallel ranks of ``host_group`` (a gloo group of the same ranks as the optimizer's DP
     group).
     """
@@ -118,7 +118,7 @@ class ReplicaModelParams:
     @torch.no_grad()
     def fill(self, replicas: list[torch.optim.Optimizer | None]) -> None:
         """Gather the replica's main-parameter shards of every bucket over the data-parallel
-        ranks and cast them into the host parameters. The merger thread, collectively over
+        ranks and cast them into the host parameters. The persister thread, collectively over
         ``host_group``."""
         world = torch.distributed.get_world_size(self.host_group)
         flat_shards: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
