@@ -358,6 +358,32 @@ class DiffCheckpointManager:
             return self.writer.durable_iteration
         return max(self._published_bases, default=0)
 
+    def metrics(self, iteration: int) -> dict[str, float]:
+        """What to watch while training, after ``iteration``. Any rank, local values.
+
+        ``diff_ms``: the last differential's (or LowDiff+ hand-off's) time on the training path;
+        ``bytes_per_iteration``: diff-log bytes per record written so far; ``recoverable_lag``:
+        iterations between now and the newest durable state; ``writer_backlog``: segments waiting
+        for the writer; with LowDiff+ also ``merge_backlog`` (iterations the replica is behind),
+        ``slot_wait_ms`` (training's waits for a snapshot slot, cumulative) and
+        ``copies_in_bubbles`` (share of recent snapshot copy time inside pipeline bubbles).
+        """
+        out = {
+            "diff_ms": self.last_diff_seconds * 1000.0,
+            "durable_iteration": float(self.durable_iteration),
+            "recoverable_lag": float(iteration - self.durable_iteration),
+        }
+        if self.writer is not None:
+            stats = self.writer.stats
+            out["bytes_per_iteration"] = stats.bytes_written / max(stats.records, 1)
+            out["writer_backlog"] = float(self.writer.backlog)
+        if self.plus is not None:
+            plus = self.plus.stats()
+            out["merge_backlog"] = float(plus["merge_backlog"])
+            out["slot_wait_ms"] = plus["slot_wait_seconds"] * 1000.0
+            out["copies_in_bubbles"] = plus["share_in_bubbles"]
+        return out
+
     def close(self) -> None:
         """Write what is pending and stop. All ranks."""
         if self.plus is not None:

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -66,9 +68,18 @@ def _assert_replica_equals_training(dump, nproc: int = 2) -> None:
 def test_replica_equals_the_training_state(tmp_path, capsys, layout):
     args = [*COMMON, *LAYOUTS[layout].split(), "--train-iters", "6"]
     ckpt = tmp_path / "ckpt"
-    proc = run_gpt(2, *args, *_plus(ckpt, 3), "--dump-state", str(tmp_path / "plus"))
+    tb = ["--tensorboard-dir", str(tmp_path / "tb")]
+    proc = run_gpt(2, *args, *_plus(ckpt, 3), *tb, "--dump-state", str(tmp_path / "plus"))
     log = proc.stdout + proc.stderr
     assert "LowDiff+: merged through iteration 6" in log
+    # Observability: the manager's metrics in the log line, Megatron's timers, TensorBoard.
+    assert re.search(r"recoverable lag: \d+ \| diff bytes per iteration: [\d.]+ KB \| "
+                     r"writer backlog: \d+ \| merge backlog: \d+ \|", log), log[-3000:]  # fmt: skip
+    assert "(min, max) time across ranks (ms):" in log and "diffckpt-diff" in log
+    if importlib.util.find_spec("tensorboard") is None:
+        assert "the tensorboard package is not installed" in log
+    else:
+        assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     _assert_replica_equals_training(tmp_path / "plus")
     # Bases 3 and 6 were written from the replica and published.
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=_positive(int), required=True)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=_positive(int), default=1)
+    g.add_argument(
+        "--tensorboard-dir",
+        type=str,
+        default=None,
+        help="write TensorBoard scalars here (loss, times, checkpoint metrics; needs tensorboard)",
+    )
 
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--lr", type=float, default=1e-3)

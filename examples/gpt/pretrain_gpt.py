@@ -384,6 +384,9 @@ def main(argv=None) -> int:
         )
     if manager is not None:
         manager.start(iteration, args.base_interval)
+    from observability import Observer
+
+    observer = Observer(args, manager)
 
     tokens = load_tokens(args.data_path, args.mock_data, args.seq_length, args.seed)
     windows = TokenWindows(tokens, args.seq_length, args.seed)
@@ -413,7 +416,8 @@ def main(argv=None) -> int:
         skipped += int(was_skipped)
         if manager is not None:
             train_s = time.perf_counter() - start
-            manager.end_iteration(iteration, scheduler.num_steps, consumed, train_s)
+            with observer.timer("diffckpt-diff"):
+                manager.end_iteration(iteration, scheduler.num_steps, consumed, train_s)
             interval["diff"] += manager.last_diff_seconds
         loss_value = _broadcast_loss(loss)
         losses.append(loss_value)
@@ -424,14 +428,15 @@ def main(argv=None) -> int:
         else:
             due = args.base_interval is not None and iteration % args.base_interval == 0
         if args.save is not None and (due or stop or iteration == args.train_iters):
-            if manager is not None and manager.plus is not None:
-                plan = checkpointer.plan_replica(model, scheduler, iteration, consumed)
-                interval["ckpt"] += manager.persist_replica(iteration, plan)
-            else:
-                blocked = checkpointer.save(model, optimizer, scheduler, iteration, consumed)
-                interval["ckpt"] += blocked
-                if manager is not None:
-                    manager.on_base_saved(iteration, blocked)
+            with observer.timer("save-checkpoint"):
+                if manager is not None and manager.plus is not None:
+                    plan = checkpointer.plan_replica(model, scheduler, iteration, consumed)
+                    interval["ckpt"] += manager.persist_replica(iteration, plan)
+                else:
+                    blocked = checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+                    interval["ckpt"] += blocked
+                    if manager is not None:
+                        manager.on_base_saved(iteration, blocked)
         interval["time"] += time.perf_counter() - start
         interval["loss"] += loss_value
         interval["iters"] += 1
@@ -453,9 +458,18 @@ def main(argv=None) -> int:
                 interval["ckpt"] * 1000.0,
                 skipped,
                 f" diff time (ms): {interval['diff'] / n * 1000.0:.1f} | durable diff iteration: "
-                f"{manager.durable_iteration} |"
+                f"{manager.durable_iteration} |{observer.line(iteration)}"
                 if manager
                 else "",
+            )
+            observer.log(
+                iteration,
+                n,
+                {
+                    "lm loss": interval["loss"] / n,
+                    "iteration-time": interval["time"] / n,
+                    "learning-rate": optimizer.param_groups[0]["lr"],
+                },
             )
             interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0, "diff": 0.0}
         if iteration in args.dump_state_at:
@@ -468,6 +482,7 @@ def main(argv=None) -> int:
     if manager is not None:
         manager.close()
     checkpointer.close()
+    observer.close()
     if args.dump_state:
         dump_state(args.dump_state, model, optimizer, losses)
         if manager is not None and manager.plus is not None:

@@ -133,6 +133,11 @@ class DiffLogWriter:
         if len(self._batch) >= self.batch_size:
             self._submit()
 
+    @property
+    def backlog(self) -> int:
+        """Segments handed over and not yet written."""
+        return self._queue.qsize()
+
     def flush(self) -> int:
         """Write the partial batch and wait until everything handed over is durable.
 
