@@ -218,6 +218,8 @@ class DiffCheckpointManager:
                 when_full=self.config.when_full,
                 chain_start=iteration,
             )
+        if self.writer is None:  # bases only: durability starts at the state we start from
+            self._published_bases.append(iteration)
         if self.config.mode == "lowdiff-plus":
             self.plus = LowDiffPlus(
                 self.optimizer,
