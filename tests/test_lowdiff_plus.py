@@ -134,6 +134,11 @@ def test_merger_base_loads_with_stock_dist_checkpointing_and_resumes_exactly(tmp
     for rank in range(2):
         assert resumed[rank]["losses"] == straight[rank]["losses"][4:]
         assert_same_state(straight[rank], resumed[rank], rank)
+    # The distributed optimizer's dp_reshardable layout: it also loads under another DP size.
+    one = run_gpt(1, *args, "--load", str(resume), "--dump-state", str(tmp_path / "dp1"))
+    assert "loaded checkpoint from" in one.stdout + one.stderr
+    dp1 = load_dumps(tmp_path / "dp1", 1)[0]
+    assert len(dp1["losses"]) == 4 and abs(dp1["losses"][0] - straight[0]["losses"][4]) < 1e-3
 
 
 def _resume_and_compare(tmp_path, args, ckpt, total: int, interval: int) -> int:
