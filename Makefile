@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean slurm-test
 
 venv: $(STAMP)
 
@@ -33,6 +33,12 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/lowdiff_overhead.py
 	$(VENV)/bin/python benchmarks/lowdiff_plus_overhead.py
 	$(VENV)/bin/python benchmarks/autotune_failures.py
+
+# A real single-node Slurm (Debian's slurm-wlm and munge, installed when missing; needs root):
+# the launcher's requeue after a killed task, and its retry budget. make test skips these.
+slurm-test: $(STAMP)
+	@command -v slurmctld >/dev/null || { apt-get update -q && apt-get install -y -q slurm-wlm munge; }
+	$(VENV)/bin/python -m pytest -q tests/test_slurm.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
