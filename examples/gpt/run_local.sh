@@ -12,7 +12,9 @@ python="${PYTHON:-$repo/.venv/bin/python}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 
-exec "$python" -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
+# node_launcher.py runs torchrun and, when it ends, stops what the ranks left running (megatron's
+# checkpoint manager process outlives a killed rank).
+exec "$python" "$here/node_launcher.py" --standalone --nproc-per-node "${NPROC:-2}" \
     "$here/pretrain_gpt.py" \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
     --seq-length 128 --max-position-embeddings 128 \

@@ -1,12 +1,14 @@
-"""One node's part of a Slurm job: torchrun, and no process left behind when it ends.
+"""torchrun, and no process left behind when it ends (one node of a job; run_local.sh, Slurm).
 
-``srun`` runs this once per node; it runs ``python -m torch.distributed.run ARGS`` and returns its
-exit code. When a rank dies (a killed task, a failed node), torchrun ends, but processes the
-ranks started outlive them (megatron-core's checkpoint writer spawns a ``multiprocessing`` manager
-on first use, with a resource tracker); Slurm counts them as the step's, so the step, ``srun`` and
-the job would wait for them forever instead of failing and being requeued. This launcher makes
-itself the *subreaper* of everything below it (Linux ``PR_SET_CHILD_SUBREAPER``), so the orphans
-become its children, and kills them once torchrun has exited.
+``run_local.sh`` runs it, and on Slurm ``srun`` runs it once per node; it runs
+``python -m torch.distributed.run ARGS`` and returns its exit code. When a rank dies (a killed
+task, a failed node), torchrun ends, but processes the ranks started outlive them
+(megatron-core's checkpoint writer spawns a ``multiprocessing`` manager on first use, with a
+resource tracker): they would linger after the job, and on Slurm they count as the step's, so the
+step, ``srun`` and the job would wait for them forever instead of failing and being requeued.
+This launcher makes itself the *subreaper* of everything below it (Linux
+``PR_SET_CHILD_SUBREAPER``), so the orphans become its children, and kills them once torchrun has
+exited.
 """
 
 from __future__ import annotations
