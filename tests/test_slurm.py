@@ -12,6 +12,7 @@ this file); without them every test here is skipped with that reason.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -120,9 +121,14 @@ def _show(env, job: str) -> str:
                           text=True).stdout  # fmt: skip
 
 
-def _job_done(env, job: str) -> bool:
-    return not subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
-                              text=True).stdout.strip()  # fmt: skip
+def _state(env, job: str) -> str:
+    """The job's state (``PENDING``, ``RUNNING``, ``COMPLETED``, ``FAILED``, ...); a requeued job
+    passes through ``REQUEUED`` to ``PENDING``, so only a final state means it ended."""
+    m = re.search(r"JobState=(\w+)", _show(env, job))
+    return m.group(1) if m else ""
+
+
+FINAL = ("COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def test_killed_task_requeues_and_resumes_exactly(slurm, tmp_path):
@@ -148,7 +154,8 @@ def test_killed_task_requeues_and_resumes_exactly(slurm, tmp_path):
     # Slurm holds a requeued batch job back for a while; let it start now.
     _wait(lambda: "Restarts=1" in _show(slurm, job), "Slurm to count the restart", out)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
-    _wait(lambda: _job_done(slurm, job), "the job to finish", out)
+    _wait(lambda: _state(slurm, job) in FINAL and "start 2" in out.read_text(), "the end", out)
+    assert _state(slurm, job) == "COMPLETED", out.read_text()[-3000:]
     log = out.read_text()
     assert "start 2 (restarts so far 1 of 3)" in log and "resuming from" in log, log[-3000:]
     assert "recovered to iteration" in log and "training finished" in log, log[-3000:]
@@ -162,7 +169,8 @@ def test_a_spent_retry_budget_ends_the_job(slurm, tmp_path):
     # Layers not divisible by the pipeline: the training script exits with a usage error.
     bad = ["--train-iters", "2", "--num-layers", "3", "--pipeline-model-parallel-size", "2"]
     job = _submit(slurm, out, tmp_path / "ckpt", bad, DIFFCKPT_MAX_RESTARTS="0")
-    _wait(lambda: _job_done(slurm, job), "the job to end", out)
+    _wait(lambda: _state(slurm, job) in FINAL, "the job to end", out)
+    assert _state(slurm, job) == "FAILED"
     log = out.read_text()
     assert "the retry budget (0) is spent, giving up" in log, log[-3000:]
     assert "requeue" not in log.replace("requeue 1", "")
