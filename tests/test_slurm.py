@@ -151,8 +151,18 @@ def test_killed_task_requeues_and_resumes_exactly(slurm, tmp_path):
     assert ranks, "no rank process found"
     ranks[0].send_signal(signal.SIGKILL)
     _wait(lambda: "requeue 1 of 3" in out.read_text(), "the requeue", out)
-    # Slurm holds a requeued batch job back for a while; let it start now.
-    _wait(lambda: "Restarts=1" in _show(slurm, job), "Slurm to count the restart", out)
+
+    # Slurm holds a requeued batch job back for a while. Release it once it is pending and the
+    # node has finished with the previous start (sooner, the start fails: "Job credential
+    # revoked").
+    def requeued_and_node_free():
+        idle = subprocess.run(["sinfo", "-h", "-o", "%T"], env=slurm, capture_output=True,
+                              text=True).stdout.strip() == "idle"  # fmt: skip
+        return (
+            idle and "JobState=PENDING" in _show(slurm, job) and "Restarts=1" in _show(slurm, job)
+        )
+
+    _wait(requeued_and_node_free, "the requeued job to pend on a free node", out)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
     _wait(lambda: _state(slurm, job) in FINAL and "start 2" in out.read_text(), "the end", out)
     assert _state(slurm, job) == "COMPLETED", out.read_text()[-3000:]
