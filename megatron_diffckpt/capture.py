@@ -33,6 +33,15 @@ def _name(inner: int, group: int, index: int) -> str:
     return f"o{inner}.g{group}.p{index}"
 
 
+def step_hyperparameters(inner_index: int, torch_optimizer: Any) -> dict[str, list[float]]:
+    """``"o<inner>.g<group>"`` -> ``[lr, weight_decay]`` of every param group, as the step uses
+    them (what replay and the LowDiff+ merger set back)."""
+    return {
+        f"o{inner_index}.g{g}": [float(group["lr"]), float(group.get("weight_decay", 0.0))]
+        for g, group in enumerate(torch_optimizer.param_groups)
+    }
+
+
 def encode_grad(grad: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{"dense": flat}`` or ``{"values", "indices"}``, whichever is smaller; exact either way.
 
@@ -74,11 +83,8 @@ class GradShardCapture:
 
     def on_ready_grads(self, inner_index: int, torch_optimizer: torch.optim.Optimizer) -> None:
         """Copy the gradients and hyper-parameters the torch optimizer is about to use."""
+        self._groups.update(step_hyperparameters(inner_index, torch_optimizer))
         for g, group in enumerate(torch_optimizer.param_groups):
-            self._groups[f"o{inner_index}.g{g}"] = [
-                float(group["lr"]),
-                float(group.get("weight_decay", 0.0)),
-            ]
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue

@@ -33,7 +33,7 @@ import torch
 
 from megatron_diffckpt import recovery
 from megatron_diffckpt.background import lower_priority
-from megatron_diffckpt.capture import capture_rng
+from megatron_diffckpt.capture import capture_rng, step_hyperparameters
 from megatron_diffckpt.merge import (
     MergeJob,
     ReplicaMerger,
@@ -147,11 +147,7 @@ class LowDiffPlus:
 
     def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
         self.snapshotter.flush()
-        for g, group in enumerate(torch_optimizer.param_groups):
-            self._inputs.groups[f"o{inner_index}.g{g}"] = [
-                float(group["lr"]),
-                float(group.get("weight_decay", 0.0)),
-            ]
+        self._inputs.groups.update(step_hyperparameters(inner_index, torch_optimizer))
 
     # ----------------------------------------------------------------- training loop
     def end_iteration(self, iteration: int, scheduler_steps: int, consumed: int) -> float:
