@@ -154,34 +154,78 @@ def capture_rng(rng_tracker: Any) -> tuple[dict[str, Any], dict[str, torch.Tenso
     return scalars, tensors
 
 
+def rng_states_at(records: list[DiffRecord]) -> dict[str, Any]:
+    """Every RNG state at the end of the last of ``records`` (a chain after a base), as the
+    objects the generators take: ``python`` (``random.setstate``), ``numpy``, ``torch``, ``cuda``
+    (each absent when the chain never recorded it: it has not moved since the base) and
+    ``tracker`` (name -> state, the recorded ones only). Pure; any process."""
+    s = records[-1].scalars
+    t: dict[str, torch.Tensor] = {}
+    for record in records:
+        t.update({k: v for k, v in record.tensors.items() if k.startswith("rng.")})
+    out: dict[str, Any] = {}
+    if "rng.python" in t:
+        py_version, py_gauss = s["rng.python"]
+        out["python"] = (py_version, tuple(t["rng.python"].tolist()), py_gauss)
+    if "rng.numpy" in t:
+        np_name, np_pos, np_has_gauss, np_gauss = s["rng.numpy"]
+        keys = t["rng.numpy"].numpy().astype(np.uint32)  # int32 bits (or int64) to uint32
+        out["numpy"] = (np_name, keys, np_pos, np_has_gauss, np_gauss)
+    for name in ("torch", "cuda"):
+        if f"rng.{name}" in t:
+            out[name] = t[f"rng.{name}"].clone()
+    out["tracker"] = {
+        n: t[f"rng.tracker.{n}"].clone() for n in s["rng.tracker"] if f"rng.tracker.{n}" in t
+    }
+    return out
+
+
 def restore_rng(records: list[DiffRecord], rng_tracker: Any) -> None:
     """Set every RNG to its state at the end of the last of ``records`` (a replayed chain).
 
     A generator's state is the newest one the chain holds; one the chain never recorded has not
     moved since the base, whose state is already loaded, and is left alone.
     """
-    s = records[-1].scalars
-    t: dict[str, torch.Tensor] = {}
-    for record in records:
-        t.update({k: v for k, v in record.tensors.items() if k.startswith("rng.")})
-    if "rng.python" in t:
-        py_version, py_gauss = s["rng.python"]
-        random.setstate((py_version, tuple(t["rng.python"].tolist()), py_gauss))
-    if "rng.numpy" in t:
-        np_name, np_pos, np_has_gauss, np_gauss = s["rng.numpy"]
-        keys = t["rng.numpy"].numpy().astype(np.uint32)  # int32 bits (or int64) to uint32
-        np.random.set_state((np_name, keys, np_pos, np_has_gauss, np_gauss))
-    if "rng.torch" in t:
-        torch.set_rng_state(t["rng.torch"].clone())
-    if "rng.cuda" in t and torch.cuda.is_available():
-        torch.cuda.set_rng_state(t["rng.cuda"].clone())
-    tracker = {
-        n: t[f"rng.tracker.{n}"].clone() for n in s["rng.tracker"] if f"rng.tracker.{n}" in t
-    }
-    if tracker:
-        states = rng_tracker.get_states()
-        states.update(tracker)
-        rng_tracker.set_states(states)
+    states = rng_states_at(records)
+    if "python" in states:
+        random.setstate(states["python"])
+    if "numpy" in states:
+        np.random.set_state(states["numpy"])
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if states["tracker"]:
+        tracker = rng_tracker.get_states()
+        tracker.update(states["tracker"])
+        rng_tracker.set_states(tracker)
+
+
+def record_grads(record: DiffRecord) -> dict[str, dict[str, torch.Tensor]]:
+    """The encoded gradients of a record, by parameter name (``o<inner>.g<group>.p<index>``)."""
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in record.tensors.items():
+        name, sep, part = key.partition(":")
+        if sep:
+            grads.setdefault(name, {})[part] = t
+    return grads
+
+
+def set_step_inputs(
+    inner_index: int,
+    torch_optimizer: Any,
+    record: DiffRecord,
+    grads: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """Give one torch optimizer the recorded input of a step: every group's lr and weight decay,
+    every parameter's gradient (``None`` where none was recorded). ``optimizer.step()`` follows.
+    """
+    for g, group in enumerate(torch_optimizer.param_groups):
+        lr, wd = record.scalars["groups"][f"o{inner_index}.g{g}"]
+        group["lr"], group["weight_decay"] = lr, wd
+        for i, p in enumerate(group["params"]):
+            parts = grads.get(_name(inner_index, g, i))
+            p.grad = decode_grad(parts, p) if parts else None
 
 
 def replay_record(optimizer: Any, record: DiffRecord) -> None:
@@ -192,19 +236,9 @@ def replay_record(optimizer: Any, record: DiffRecord) -> None:
     """
     if record.scalars["skipped"]:
         return
-    grads: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in record.tensors.items():
-        name, sep, part = key.partition(":")
-        if sep:
-            grads.setdefault(name, {})[part] = t
+    grads = record_grads(record)
     for index, inner in enumerate(inner_optimizers(optimizer)):
         if getattr(inner, "is_stub_optimizer", False):
             continue
-        torch_optimizer = inner.optimizer
-        for g, group in enumerate(torch_optimizer.param_groups):
-            lr, wd = record.scalars["groups"][f"o{index}.g{g}"]
-            group["lr"], group["weight_decay"] = lr, wd
-            for i, p in enumerate(group["params"]):
-                parts = grads.get(_name(index, g, i))
-                p.grad = decode_grad(parts, p) if parts else None
+        set_step_inputs(index, inner.optimizer, record, grads)
         step_without_hook(inner)

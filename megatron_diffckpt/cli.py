@@ -1,9 +1,11 @@
-"""``megatron-diffckpt``: inspect, verify, export and prune a checkpoint folder; plan at scale.
+"""``megatron-diffckpt``: inspect, verify, merge, export, prune checkpoints; plan at scale.
 
-Exit codes a script can rely on: 0 all good; 1 damage found (``verify``) or nothing recoverable
-(``inspect``); 2 bad usage or not a checkpoint folder.
+Exit codes a script can rely on: 0 all good; 1 damage found (``verify``), nothing recoverable
+(``inspect``), or a merge or export that cannot be done as asked; 2 bad usage or not a checkpoint
+folder.
 
-No megatron import: it reads the folder layout, the tracker and the diff log only. ``tune`` runs
+No megatron import: it reads the folder layout, the tracker, the diff log and, for ``merge`` and
+``export``, the checkpoints' tensors (:mod:`megatron_diffckpt.dist_ckpt_io`). ``tune`` runs
 the cost model (:mod:`megatron_diffckpt.tuning`) on a job description
 (:mod:`megatron_diffckpt.scale_plan`).
 """
@@ -19,6 +21,7 @@ import sys
 from dataclasses import dataclass, field, fields
 
 from megatron_diffckpt import retention
+from megatron_diffckpt.base_merge import MergeError, merge_base
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
     TRACKER_FILENAME,
@@ -207,6 +210,23 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge(args: argparse.Namespace) -> int:
+    try:
+        summary = merge_base(
+            args.dir, args.out, args.iteration, args.diff_dir, progress=not args.quiet
+        )
+    except MergeError as exc:
+        print(f"megatron-diffckpt merge: {exc}", file=sys.stderr)
+        return 1
+    for problem in summary["problems"]:
+        print(f"note: {problem}")
+    print(
+        f"merged base {summary['base']} and {summary['differentials']} differential(s) of "
+        f"{summary['ranks']} rank(s) into {summary['out']} (iteration {summary['iteration']})"
+    )
+    return 0
+
+
 def _prune(args: argparse.Namespace) -> int:
     if args.keep < 1:
         print("megatron-diffckpt prune: --keep must be >= 1", file=sys.stderr)
@@ -349,6 +369,17 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
         if name == "inspect":
             p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("merge", help="a base plus its differentials into a new stock base")
+    p.add_argument("dir", help="the checkpoint folder (--save); only read")
+    p.add_argument(
+        "--iteration",
+        type=int,
+        default=None,
+        help="the iteration to merge to (default: the newest every rank's diff log reaches)",
+    )
+    p.add_argument("--out", required=True, help="the checkpoint folder to write iter_T into")
+    p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p = sub.add_parser("export", help="one base as a single torch file")
     p.add_argument("dir", help="the checkpoint folder (--save)")
     p.add_argument("--iteration", type=int, default=None, help="the base (default: the newest)")
@@ -368,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "export":
         return _export(args)
+    if args.command == "merge":
+        return _merge(args)
     if args.command == "prune":
         return _prune(args)
     if args.command == "inspect":

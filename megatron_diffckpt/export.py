@@ -17,30 +17,20 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from megatron_diffckpt.checkpoint_layout import checkpoint_dir, list_checkpoints
+from megatron_diffckpt.dist_ckpt_io import entry_bytes, load_object, read_entries, read_metadata
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.progress import Progress
 
 EXPORT_FORMAT = "megatron-diffckpt-export-v1"
-_GROUP_BYTES = 256 * 2**20  # entries read per DCP load
 
 
 class ExportError(RuntimeError):
     """The requested iteration cannot be exported (message says why and what to do)."""
-
-
-def _entry_bytes(meta: Any) -> int:
-    if isinstance(meta, TensorStorageMetadata):
-        return meta.size.numel() * meta.properties.dtype.itemsize
-    return 0
 
 
 def export_base(root: str, iteration: int, out: str, progress: bool = True) -> dict[str, Any]:
@@ -56,23 +46,15 @@ def export_base(root: str, iteration: int, out: str, progress: bool = True) -> d
     path = checkpoint_dir(root, iteration)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise ExportError(f"{path} is not a torch_dist checkpoint (no .metadata)")
-    metadata = FileSystemReader(path).read_metadata()
-    entries = sorted(metadata.state_dict_metadata.items())
-    total = sum(_entry_bytes(m) for _, m in entries)
+    metadata = read_metadata(path)
+    entries = metadata.state_dict_metadata
+    total = sum(entry_bytes(m) for m in entries.values())
     label = f"export iter_{iteration:07d}"
     bar = Progress(label, len(entries), "entries", total, stream=sys.stderr if progress else None)
-    tensors: dict[str, Any] = {}
-    group: list[str] = []
-    group_bytes = 0
-    for i, (key, meta) in enumerate(entries):
-        group.append(key)
-        group_bytes += _entry_bytes(meta)
-        if group_bytes >= _GROUP_BYTES or i == len(entries) - 1:
-            with warnings.catch_warnings():  # "assuming ... a single process": it is one
-                warnings.simplefilter("ignore", UserWarning)
-                tensors.update(_load_state_dict_from_keys(set(group), checkpoint_id=path))
-            bar.update(len(group), group_bytes)
-            group, group_bytes = [], 0
+    tensors = {
+        key: load_object(value) if isinstance(value, bytes) else value
+        for key, value in read_entries(path, on_group=bar.update).items()
+    }
     common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
     payload = {
         "format": EXPORT_FORMAT,

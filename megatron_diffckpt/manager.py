@@ -8,6 +8,7 @@ Call sequence, every call on all ranks::
     for each iteration:
         optimizer.step(); scheduler.step(...)          # the hook captures inside step()
         manager.end_iteration(iteration, scheduler.num_steps, consumed, train_seconds)
+        manager.record_shard_map(make_sharded_state_dict, parallel)  # for `merge`; once
         if manager.base_due(iteration):
             save a base; manager.on_base_saved(iteration, blocked_seconds)
         # when a base is published: manager.on_base_published(base_iteration)
@@ -25,6 +26,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -36,8 +38,9 @@ from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
-from megatron_diffckpt.patches import optimizer_step
+from megatron_diffckpt.patches import optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlus, PlanBase
+from megatron_diffckpt.shard_map import ShardMapError, build_shard_map, write_shard_map
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
@@ -123,6 +126,7 @@ class DiffCheckpointManager:
         self._recovery: tuple[float, float | None, float] | None = None
         self._step_start: float | None = None
         self._capture_s = 0.0
+        self._shard_map_done = False
         self.last_diff_seconds = 0.0
         """Training-path time of the last differential: capture, record, hand-off."""
 
@@ -170,6 +174,50 @@ class DiffCheckpointManager:
         if last is None:
             return target, None, None
         return target, last.scalars["scheduler_steps"], last.scalars["consumed_samples"]
+
+    def record_shard_map(
+        self, make_sharded_state_dict: Callable[[], dict], parallel: tuple[int, int, int]
+    ) -> None:
+        """Write this rank's shard map beside its diff log, for ``megatron-diffckpt merge``.
+
+        Call it after iterations; it acts once per process, after the first step that created
+        the optimizer state (megatron's optimizer state dict needs it). ``make_sharded_state_dict``
+        returns what a base of this rank holds (``{"model": ..., "optimizer": ...}``) from the
+        training state; ``parallel`` is the (TP, PP, DP) sizes. Any rank (each writes its own);
+        durable on return. An optimizer the map cannot describe (not megatron's distributed
+        optimizer in the ``dp_reshardable`` format) is logged, and ``merge`` refuses the run.
+        """
+        if self._shard_map_done or self.writer is None:  # no diff log, nothing to merge
+            return
+        inner = [
+            i
+            for i in optimizer_step.inner_optimizers(self.optimizer)
+            if not getattr(i, "is_stub_optimizer", False)
+        ]
+        if any(not i.optimizer.state for i in inner):
+            return  # no step yet (or only skipped ones)
+        self._shard_map_done = True
+        try:
+            sources = optimizer_layout.main_param_sources(self.optimizer)
+            torch_optimizers = [
+                None if src is None else inner.optimizer
+                for inner, src in zip(
+                    optimizer_step.inner_optimizers(self.optimizer), sources, strict=True
+                )
+            ]
+            shard_map = build_shard_map(
+                make_sharded_state_dict(),
+                torch_optimizers,
+                sources,
+                self.identity.layout_hash,
+                (self.identity.tp_rank, self.identity.pp_rank, self.identity.dp_rank),
+                parallel,
+            )
+        except (ValueError, ShardMapError) as e:
+            logger.info("no shard map, `megatron-diffckpt merge` will not merge this run: %s", e)
+            return
+        if write_shard_map(self.rank_dir, shard_map):
+            logger.debug("wrote the shard map of %s", self.identity.dirname())
 
     def start(self, iteration: int, full_interval: int) -> None:
         """Begin capturing after ``iteration``, with bases every ``full_interval`` (F). All ranks.

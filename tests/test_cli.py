@@ -145,6 +145,20 @@ def test_export_writes_one_file_with_every_tensor_and_the_common_state(tmp_path,
     assert "no complete base of iteration 6" in err and "[4, 8]" in err
 
 
+def test_export_reads_a_checkpoint_in_several_groups(tmp_path, monkeypatch):
+    """Big checkpoints are read group by group; with one entry per group, nothing changes."""
+    from megatron_diffckpt import dist_ckpt_io
+
+    monkeypatch.setattr(dist_ckpt_io, "GROUP_BYTES", 1)
+    tensors = {f"layer{i}.weight": torch.full((3, i + 1), float(i)) for i in range(4)}
+    _dcp_base(tmp_path, 4, tensors, {"iteration": 4})
+    out = tmp_path / "export.pt"
+    assert main(["export", str(tmp_path), "--iteration", "4", "--out", str(out), "--quiet"]) == 0
+    exported = torch.load(out, weights_only=False)["tensors"]
+    assert exported.keys() == tensors.keys()
+    assert all(torch.equal(exported[k], v) for k, v in tensors.items())
+
+
 def test_prune_dry_run_lists_then_prune_removes_what_no_kept_base_replays(tmp_path, capsys):
     _folder(tmp_path, iterations=8, base=4)
     for it in (2, 6):  # an older base, and a newer one the tracker will name

@@ -97,6 +97,24 @@ def _sharded_residuals(residuals) -> ShardedObject:
     return ShardedObject(_residuals_key(), residuals.state_dict(), shape, coords, replica_id=0)
 
 
+def base_layout(model, optimizer, is_loading: bool = False, model_params=None) -> dict:
+    """The model and optimizer part of a checkpoint: ``{"model": ..., "optimizer": ...}``.
+
+    Also what the diff log's shard map is built from (``megatron-diffckpt merge``).
+    """
+    # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
+    # them without: save and load through the wrapped module.
+    model_sd = model.module.sharded_state_dict()
+    if model_params is not None:  # LowDiff+: the replica's host parameters, not the model's
+        model_sd = model_params.substitute(model_sd)
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        ),
+    }
+
+
 def _sharded_state_dict(
     model,
     optimizer,
@@ -107,18 +125,10 @@ def _sharded_state_dict(
     residuals=None,
     model_params=None,
 ) -> dict:
-    # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
-    # them without: save and load through the wrapped module.
-    model_sd = model.module.sharded_state_dict()
-    if model_params is not None:  # LowDiff+: the replica's host parameters, not the model's
-        model_sd = model_params.substitute(model_sd)
     extra = {} if residuals is None else {_residuals_key(): _sharded_residuals(residuals)}
     return {
         **extra,
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
-        ),
+        **base_layout(model, optimizer, is_loading, model_params),
         "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": _sharded_rng_state(),
         "iteration": iteration,

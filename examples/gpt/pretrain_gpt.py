@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
 
-    from checkpointing import Checkpointer
+    from checkpointing import Checkpointer, base_layout
     from data import TokenWindows, batch_iterator, load_tokens
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -338,6 +338,11 @@ def main(argv=None) -> int:
     )
 
     manager = None
+    parallel_sizes = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.data_parallel_size,
+    )
     if args.diffckpt.enabled:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -419,6 +424,8 @@ def main(argv=None) -> int:
             with observer.timer("diffckpt-diff"):
                 manager.end_iteration(iteration, scheduler.num_steps, consumed, train_s)
             interval["diff"] += manager.last_diff_seconds
+            if args.ckpt_format == "torch_dist":  # the map `megatron-diffckpt merge` needs
+                manager.record_shard_map(lambda: base_layout(model, optimizer), parallel_sizes)
         loss_value = _broadcast_loss(loss)
         losses.append(loss_value)
         checkpointer.finalize()

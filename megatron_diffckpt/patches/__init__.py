@@ -18,6 +18,7 @@ __all__ = ["TESTED_MEGATRON_CORE_VERSIONS", "MegatronDriftError", "MethodPatch",
 ALL_PATCHES = (
     "megatron_diffckpt.patches.bucket_snapshot",
     "megatron_diffckpt.patches.grad_sync",
+    "megatron_diffckpt.patches.optimizer_layout",
     "megatron_diffckpt.patches.optimizer_step",
     "megatron_diffckpt.patches.pipeline_bubbles",
     "megatron_diffckpt.patches.replica_state",

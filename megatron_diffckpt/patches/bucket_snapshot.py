@@ -37,6 +37,7 @@ import torch
 from megatron_diffckpt.merge import ParamSlice, ShardLayout
 from megatron_diffckpt.patches.base import MegatronDriftError, MethodPatch, PatchSet
 from megatron_diffckpt.patches.grad_sync import bucket_groups
+from megatron_diffckpt.patches.optimizer_layout import bucket_params
 from megatron_diffckpt.patches.optimizer_step import inner_optimizers
 from megatron_diffckpt.snapshot import BucketSnapshotter
 
@@ -170,25 +171,16 @@ def shard_layout(optimizer: Any) -> tuple[ShardLayout, dict[str, tuple[int, torc
         if inner is None:
             layout.append([])
             continue
-        torch_params = {
-            id(p): (g, k)
-            for g, group in enumerate(inner.optimizer.param_groups)
-            for k, p in enumerate(group["params"])
-        }
         slices: dict[tuple[int, int], ParamSlice] = {}
         dp_size = inner.data_parallel_group.size()
-        for gbuf_idx, ranges_by_dtype in enumerate(inner.gbuf_ranges):
-            for _dtype, bucket_ranges in ranges_by_dtype.items():
-                for bucket_idx, bucket_range in enumerate(bucket_ranges):
-                    bucket = inner.buffers[gbuf_idx].buckets[bucket_idx]
-                    key = bucket_key(i, gbuf_idx, bucket_idx)
-                    keys[id(bucket)] = key
-                    shards[key] = (bucket.grad_data.numel() // dp_size, bucket.grad_data.dtype)
-                    for model_param, ranges in bucket_range["param_map"].items():
-                        g, order = inner.model_param_group_index_map[model_param]
-                        main = inner.optimizer.param_groups[g]["params"][order]
-                        local = ranges["gbuf_local"]
-                        slices[torch_params[id(main)]] = ParamSlice(key, local.start, local.end)
+        for gbuf_idx, buffer in enumerate(inner.buffers):
+            for bucket_idx, bucket in enumerate(buffer.buckets):
+                key = bucket_key(i, gbuf_idx, bucket_idx)
+                keys[id(bucket)] = key
+                shards[key] = (bucket.grad_data.numel() // dp_size, bucket.grad_data.dtype)
+        for bp in bucket_params(inner):
+            key = bucket_key(i, bp.gbuf_idx, bp.bucket_idx)
+            slices[(bp.group, bp.index)] = ParamSlice(key, bp.local_start, bp.local_end)
         layout.append(
             [
                 [slices[(g, k)] for k in range(len(group["params"]))]
