@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean slurm-test
+.PHONY: venv demo test lint bench clean slurm-test megatron-lm-test
 
 venv: $(STAMP)
 
@@ -39,6 +39,15 @@ bench: $(STAMP)
 slurm-test: $(STAMP)
 	@command -v slurmctld >/dev/null || { apt-get update -q && apt-get install -y -q slurm-wlm munge; }
 	$(VENV)/bin/python -m pytest -q tests/test_slurm.py
+
+# Megatron-LM's own pretrain_gpt.py (megatron.training) with differential checkpointing, on CPU.
+# Megatron-LM is not a package: give a checkout of the installed megatron-core's release, e.g. a
+# clone of the NVIDIA/Megatron-LM repository at tag core_v0.16.1, kept outside this repository:
+#   make megatron-lm-test MEGATRON_LM=../Megatron-LM
+megatron-lm-test: $(STAMP)
+	@test -n "$(MEGATRON_LM)" || { echo "set MEGATRON_LM=<a Megatron-LM checkout>" >&2; exit 2; }
+	$(VENV)/bin/python -m pip install --quiet -r requirements/megatron-lm.txt
+	MEGATRON_LM="$(abspath $(MEGATRON_LM))" $(VENV)/bin/python -m pytest -q tests/test_megatron_lm.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks

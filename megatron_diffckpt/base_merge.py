@@ -232,6 +232,10 @@ def _with_step(obj: dict, step: float, groups: list[list[float]]) -> dict:
     return out
 
 
+def _same_tensor(a: Any, b: Any) -> bool:
+    return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+
+
 def _update_rng(obj: Any, states: dict[str, Any]) -> Any:
     """A saved RNG-state object (a dict of Megatron-LM's keys, or a list of them) at ``states``."""
     if isinstance(obj, list):
@@ -239,6 +243,7 @@ def _update_rng(obj: Any, states: dict[str, Any]) -> Any:
     if not isinstance(obj, dict):
         return obj
     out = dict(obj)
+    cpu_mode_device = _same_tensor(out.get("cuda_rng_state"), out.get("torch_rng_state"))
     for key, name in (
         ("random_rng_state", "python"),
         ("np_rng_state", "numpy"),
@@ -247,6 +252,10 @@ def _update_rng(obj: Any, states: dict[str, Any]) -> Any:
     ):
         if key in out and name in states:
             out[key] = states[name]
+    if cpu_mode_device and "torch" in states:
+        # Saved in CPU mode, where the device generator is the CPU one (a CUDA state never
+        # equals a CPU state): it follows the CPU state, or loading would set the stale one last.
+        out["cuda_rng_state"] = states["torch"]
     if isinstance(out.get("rng_tracker_states"), dict):
         out["rng_tracker_states"] = {**out["rng_tracker_states"], **states["tracker"]}
     return out

@@ -39,7 +39,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpuModeError", "enable", "disable", "is_enabled", "check_drift"]
+__all__ = ["CpuModeError", "enable", "enable_training", "disable", "is_enabled", "check_drift"]
 
 
 class CpuModeError(RuntimeError):
@@ -167,6 +167,8 @@ def _cpu_seed(original: Callable) -> Callable:
 
 # Patches on torch itself. They must be in place before megatron is imported.
 _TORCH_FACTORIES = (
+    "rand",  # Megatron-LM's initialize.py (_warmup_jit_function)
+    "randn",
     "empty",
     "zeros",
     "ones",
@@ -269,6 +271,61 @@ def _megatron_patches():
     )
 
 
+def _allow_no_cuda(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True  # CPU mode stands in for CUDA
+        return original(*args, **kwargs)
+
+    return initialize_megatron
+
+
+def _training_patches():
+    """Patches on Megatron-LM's ``megatron.training`` (imports it: a Megatron-LM checkout must be
+    on the path), for its GPT pretraining on CPU processes."""
+    from megatron_diffckpt.patches.base import MethodPatch, PatchSet
+
+    return PatchSet(
+        (
+            MethodPatch(
+                target="megatron.training.training:initialize_megatron",
+                expected_signature="(extra_args_provider=None, args_defaults={}, "
+                "ignore_unknown_args=False, allow_no_cuda=False, skip_mpu_initialization=False, "
+                "get_embedding_ranks=None, get_position_embedding_ranks=None, parsed_args=None, "
+                "store=None)",
+                make_wrapper=_allow_no_cuda,
+                purpose="let pretrain() initialize without CUDA (CPU mode)",
+            ),
+            MethodPatch(
+                target="megatron.legacy.fused_kernels:load",
+                expected_signature="(args)",
+                make_wrapper=lambda original: lambda args: None,
+                purpose="skip building the CUDA fused kernels (CPU mode)",
+            ),
+        )
+    )
+
+
+_training_applied: list = []
+
+
+def enable_training() -> None:
+    """CPU mode for Megatron-LM's ``megatron.training`` as well: after :func:`enable`, before
+    ``pretrain()``. Also switches ``torch.compile`` off: Megatron-LM's fused elementwise
+    functions would each be compiled to C++ on CPU (tens of seconds per process, for nothing on a
+    test machine). Idempotent; :func:`disable` reverts it."""
+    if not is_enabled():
+        raise CpuModeError("cpu_mode.enable_training() needs cpu_mode.enable() first")
+    if _training_applied:
+        return
+    import torch._dynamo
+
+    patches = _training_patches()
+    patches.apply()
+    _training_applied.append((patches, torch._dynamo.config.disable))
+    torch._dynamo.config.disable = True
+
+
 class _ForkWarningFilter(logging.Filter):
     """Drops megatron's "CPU RNG state changed within GPU RNG context" warning.
 
@@ -332,6 +389,12 @@ def disable() -> None:
 
     Megatron objects created while CPU mode was on keep their CPU tensors.
     """
+    while _training_applied:
+        patches, dynamo_disabled = _training_applied.pop()
+        patches.revert()
+        import torch._dynamo
+
+        torch._dynamo.config.disable = dynamo_disabled
     while _megatron_applied:
         _megatron_applied.pop().revert()
     while _applied:

@@ -178,6 +178,19 @@ def _replica_id(sharded: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in r) if isinstance(r, (tuple, list)) else (int(r),)
 
 
+def _tensors_by_storage(tree: Any) -> dict[tuple[int, int], list[Any]]:
+    out: dict[tuple[int, int], list[Any]] = {}
+    for x in _walk(tree):
+        if _is_sharded_tensor(x) and torch.is_tensor(x.data):
+            if getattr(x, "flattened_range", None) is not None:
+                raise ShardMapError(
+                    f"{x.key} is saved with a flattened range; the shard map needs whole local "
+                    "tensors (the distributed optimizer's dp_reshardable format)"
+                )
+            out.setdefault(_storage_key(x.data), []).append(x)
+    return out
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.numel())
 
@@ -201,19 +214,20 @@ def build_shard_map(
     Each inner optimizer's param groups (hyper-parameters, step) are the sharded objects whose
     data holds ``param_groups``, in the order megatron lists the inner optimizers.
     """
-    by_storage: dict[tuple[int, int], list[Any]] = {}
-    groups_keys: list[str] = []
-    for x in _walk(sharded_state_dict):
-        if not _is_sharded_tensor(x) and isinstance(getattr(x, "data", None), dict):
-            if "param_groups" in x.data and hasattr(x, "unique_key"):
-                groups_keys.append(x.unique_key)
-        if _is_sharded_tensor(x) and torch.is_tensor(x.data):
-            if getattr(x, "flattened_range", None) is not None:
-                raise ShardMapError(
-                    f"{x.key} is saved with a flattened range; the shard map needs whole local "
-                    "tensors (the distributed optimizer's dp_reshardable format)"
-                )
-            by_storage.setdefault(_storage_key(x.data), []).append(x)
+    # A main parameter may share storage with its model parameter (fp32 training): look main
+    # parameters up among the optimizer's tensors only, model parameters among the rest.
+    optimizer_part = sharded_state_dict.get("optimizer", {})
+    model_part = {k: v for k, v in sharded_state_dict.items() if k != "optimizer"}
+    mains_by_storage = _tensors_by_storage(optimizer_part)
+    models_by_storage = _tensors_by_storage(model_part)
+    groups_keys = [
+        x.unique_key
+        for x in _walk(optimizer_part)
+        if not _is_sharded_tensor(x)
+        and isinstance(getattr(x, "data", None), dict)
+        and "param_groups" in x.data
+        and hasattr(x, "unique_key")
+    ]
     live = sum(1 for t in torch_optimizers if t is not None)
     if len(groups_keys) != live:
         raise ShardMapError(
@@ -232,7 +246,7 @@ def build_shard_map(
             for p, src in zip(group["params"], group_sources, strict=True):
                 mains = [
                     s
-                    for s in by_storage.get(_storage_key(p), [])
+                    for s in mains_by_storage.get(_storage_key(p), [])
                     if s.key.endswith(MAIN_SUFFIX) and len(s.global_offset) == 1
                 ]
                 if len(mains) != 1:
@@ -241,7 +255,7 @@ def build_shard_map(
                         f"parameter of {p.numel()} elements, found {len(mains)}: the shard map "
                         "supports the distributed optimizer saved as dp_reshardable"
                     )
-                models = by_storage.get(_storage_key(src.model_param), [])
+                models = models_by_storage.get(_storage_key(src.model_param), [])
                 if not models:
                     raise ShardMapError(
                         f"no model tensor of the sharded state dict holds the parameter of shape "

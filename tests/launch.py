@@ -34,15 +34,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_gpt(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``pretrain_gpt.py`` on ``nproc`` CPU processes; output captured, bounded in time."""
+def run_gpt(
+    nproc: int, *args: str, check: bool = True, script: Path = PRETRAIN_GPT
+) -> subprocess.CompletedProcess:
+    """Run ``script`` (``pretrain_gpt.py``) on ``nproc`` CPU processes; output captured, bounded
+    in time."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        str(PRETRAIN_GPT),
+        str(script),
         *args,
     ]
     proc = subprocess.run(
@@ -57,10 +60,14 @@ def run_gpt(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedP
 
 
 def run_until_killed(
-    args: list[str], kill_after: int | None = None, kill_when_exists: Path | None = None
+    args: list[str],
+    kill_after: int | None = None,
+    kill_when_exists: Path | list[Path] | None = None,
+    script: Path = PRETRAIN_GPT,
 ) -> str:
     """Start a 2-process training; SIGKILL every process once ``kill_after`` iterations were
-    logged and ``kill_when_exists`` is on disk (either alone when the other is not given).
+    logged and ``kill_when_exists`` (a path, or all of a list) is on disk (either alone when the
+    other is not given).
     Returns the output so far."""
     cmd = [
         sys.executable,
@@ -68,7 +75,7 @@ def run_until_killed(
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
-        str(PRETRAIN_GPT),
+        str(script),
         *args,
     ]
     proc = subprocess.Popen(
@@ -91,11 +98,13 @@ def run_until_killed(
                 reached.set()
 
     threading.Thread(target=follow, daemon=True).start()
+    waited = kill_when_exists if isinstance(kill_when_exists, list) else [kill_when_exists]
+    waited = [p for p in waited if p is not None]
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while True:
             logged = pattern is None or reached.is_set()
-            if logged and (kill_when_exists is None or kill_when_exists.exists()):
+            if logged and all(p.exists() for p in waited):
                 break
             assert proc.poll() is None, "training ended before the kill point:\n" + "".join(
                 lines[-40:]
@@ -111,7 +120,10 @@ def run_until_killed(
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and every rank (torchrun puts ranks in their own sessions)."""
-    victims = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        victims = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:  # it ended by itself: the caller's assertion says why
+        victims = []
     for p in victims:
         p.send_signal(signal.SIGKILL)
     proc.send_signal(signal.SIGKILL)

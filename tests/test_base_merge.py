@@ -53,8 +53,14 @@ def test_merged_base_resumes_like_uninterrupted_training(tmp_path, layout):
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", mode, "--save", str(ckpt), "--save-interval", "5"]
     run_gpt(2, *common, "--train-iters", str(TOTAL), "--dump-state", str(tmp_path / "straight"))
-    tracker = ckpt / "latest_checkpointed_iteration.txt"  # LowDiff+ publishes bases later
-    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER, tracker)
+    # SIGKILL once the base is published (LowDiff+ publishes it later) and both ranks'
+    # differentials of MERGE_AT are durable.
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    segments = [
+        ckpt / "diffckpt" / f"rank_0_0_{d}" / f"seg_{MERGE_AT:010d}_{MERGE_AT:010d}.bin"
+        for d in (0, 1)
+    ]
+    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER, [tracker, *segments])
     assert tracker.read_text() == str(BASE_INTERVAL)
     maps = sorted((ckpt / "diffckpt").glob(f"rank_*/{SHARD_MAP_FILE}"))
     assert len(maps) == 2

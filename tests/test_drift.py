@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 
 from megatron_diffckpt import cpu_mode
-from megatron_diffckpt.patches import ALL_PATCHES, TESTED_MEGATRON_CORE_VERSIONS
+from megatron_diffckpt.patches import (
+    ALL_PATCHES,
+    MEGATRON_LM_PATCHES,
+    TESTED_MEGATRON_CORE_VERSIONS,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,4 +63,4 @@ def test_every_patch_module_is_listed():
         for p in (REPO / "megatron_diffckpt" / "patches").glob("*.py")
         if p.stem not in ("__init__", "base")
     }
-    assert found == set(ALL_PATCHES)
+    assert found == set(ALL_PATCHES) | set(MEGATRON_LM_PATCHES)

@@ -12,7 +12,13 @@ from megatron_diffckpt.patches.base import (
     MethodPatch,
 )
 
-__all__ = ["TESTED_MEGATRON_CORE_VERSIONS", "MegatronDriftError", "MethodPatch", "ALL_PATCHES"]
+__all__ = [
+    "TESTED_MEGATRON_CORE_VERSIONS",
+    "MegatronDriftError",
+    "MethodPatch",
+    "ALL_PATCHES",
+    "MEGATRON_LM_PATCHES",
+]
 
 # Module names of every patch, for the drift test and for tools that list them.
 ALL_PATCHES = (
@@ -24,3 +30,7 @@ ALL_PATCHES = (
     "megatron_diffckpt.patches.replica_state",
     "megatron_diffckpt.patches.torch_adam_state",
 )
+
+# Hook points in Megatron-LM's megatron.training (from a Megatron-LM checkout, not a package):
+# drift-checked by tests/test_megatron_lm.py, which skips without a checkout.
+MEGATRON_LM_PATCHES = ("megatron_diffckpt.patches.megatron_training",)

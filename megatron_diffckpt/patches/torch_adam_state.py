@@ -18,6 +18,10 @@ of megatron-core 0.16's ``DistributedOptimizer`` do not expect that:
   increments ``step`` in place once per parameter, so after one step the count is off by the
   number of parameters, and every later bias correction is wrong. The wrapper gives each
   parameter its own copy after loading.
+- In fp32 training a main parameter is a view of its model parameter (a leaf that requires
+  grad), so the copy into it fails outside ``torch.no_grad()`` (Megatron-LM's
+  ``load_checkpoint`` calls it without); the wrapper copies under ``no_grad``, which changes
+  nothing where the copy worked.
 
 With TE's or apex's FusedAdam (one ``step`` per param group) the wrappers do nothing.
 """
@@ -67,7 +71,8 @@ def _wrap_set_states(original):
         if _is_torch_adam(self.optimizer):
             current = self._get_main_param_and_optimizer_states(model_param)
             tensors = {**tensors, "step": current["step"]}
-        return original(self, model_param, tensors)
+        with torch.no_grad():
+            return original(self, model_param, tensors)
 
     return _set_main_param_and_optimizer_states
 

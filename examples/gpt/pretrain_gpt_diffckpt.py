@@ -1,0 +1,134 @@
+"""Megatron-LM's own GPT pretraining, with differential checkpointing: its ``pretrain_gpt.py``.
+
+Runs Megatron-LM's ``pretrain()`` (``megatron.training``) with Megatron-LM's GPT model provider,
+forward step and datasets, exactly as its ``pretrain_gpt.py`` does, plus the ``--diffckpt-*``
+flags (through Megatron-LM's ``extra_args_provider``) and the hooks of
+:mod:`megatron_diffckpt.patches.megatron_training` (which wrap, never copy, its save, load and
+training step). Every Megatron-LM flag works as usual::
+
+    MEGATRON_LM=/path/to/Megatron-LM torchrun --nproc-per-node 8 \\
+        examples/gpt/pretrain_gpt_diffckpt.py <Megatron-LM's GPT flags> \\
+        --save /ckpt --load /ckpt --save-interval 500 --diffckpt-mode lowdiff
+
+``MEGATRON_LM`` names a Megatron-LM checkout (its ``megatron/training`` and top-level
+``pretrain_gpt.py``); the megatron-core installed in the environment is the one used (the
+checkout goes at the end of the import path), so keep the two at the same release. Without CUDA
+it runs on CPU processes with gloo through :mod:`megatron_diffckpt.cpu_mode`, which then adds
+the flags CPU training needs (``--distributed-backend gloo --transformer-impl local
+--no-gradient-accumulation-fusion --no-persist-layer-norm``) unless given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+# Flags CPU processes need, with the values they need (Megatron-LM defaults to NCCL, fused CUDA
+# kernels and TransformerEngine).
+CPU_FLAGS = {
+    "--distributed-backend": ["gloo"],
+    "--transformer-impl": ["local"],
+    "--no-gradient-accumulation-fusion": [],
+    "--no-persist-layer-norm": [],
+}
+
+
+def _checkout() -> str:
+    path = os.environ.get("MEGATRON_LM")
+    if not path:
+        sys.exit(
+            "pretrain_gpt_diffckpt.py: set MEGATRON_LM to a Megatron-LM checkout (the folder "
+            "holding pretrain_gpt.py and megatron/training)"
+        )
+    if not os.path.isfile(os.path.join(path, "pretrain_gpt.py")) or not os.path.isdir(
+        os.path.join(path, "megatron", "training")
+    ):
+        sys.exit(f"pretrain_gpt_diffckpt.py: MEGATRON_LM={path} is not a Megatron-LM checkout")
+    return os.path.abspath(path)
+
+
+def checkout_version(path: str) -> str | None:
+    """The megatron-core version a Megatron-LM checkout carries (its package_info.py)."""
+    try:
+        with open(os.path.join(path, "megatron", "core", "package_info.py")) as f:
+            text = f.read()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{k} = (\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None
+
+
+def main() -> None:
+    checkout = _checkout()
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        from megatron_diffckpt import cpu_mode
+
+        cpu_mode.enable()  # before megatron is imported
+        for flag, values in CPU_FLAGS.items():
+            if flag not in sys.argv:
+                sys.argv += [flag, *values]
+    # The installed megatron-core first; megatron.training and Megatron-LM's top-level modules
+    # (gpt_builders, model_provider, pretrain_gpt) from the checkout.
+    sys.path.append(checkout)
+    from importlib.metadata import version
+
+    from megatron_diffckpt.patches import megatron_training, torch_adam_state
+
+    installed, carried = version("megatron-core"), checkout_version(checkout)
+    if carried is not None and carried != installed:
+        logging.getLogger(__name__).warning(
+            "Megatron-LM checkout %s is release %s, the installed megatron-core %s: use the "
+            "matching release (checked: %s)",
+            checkout,
+            carried,
+            installed,
+            ", ".join(megatron_training.TESTED_MEGATRON_LM_VERSIONS),
+        )
+    if cpu:
+        cpu_mode.enable_training()
+    torch_adam_state.apply()  # a no-op with transformer-engine's or apex's Adam
+    megatron_training.apply()
+
+    # Megatron-LM's pretrain_gpt.py, by path (this folder has a pretrain_gpt.py of its own).
+    spec = importlib.util.spec_from_file_location(
+        "megatron_lm_pretrain_gpt", os.path.join(checkout, "pretrain_gpt.py")
+    )
+    mlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mlm)
+    from megatron.core.enums import ModelType
+    from megatron.training import inprocess_restart, pretrain
+
+    mlm.train_valid_test_datasets_provider.is_distributed = True
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    extra = megatron_training.add_arguments
+    if mlm.has_nvidia_modelopt:
+
+        def extra(parser):
+            return megatron_training.add_arguments(mlm.add_modelopt_args(parser))
+
+    try:
+        run(
+            mlm.train_valid_test_datasets_provider,
+            mlm.partial(mlm.model_provider, mlm.gpt_builder),
+            ModelType.encoder_or_decoder,
+            mlm.forward_step,
+            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+            extra_args_provider=extra,
+            store=store,
+            get_embedding_ranks=mlm.get_embedding_ranks,
+        )
+    finally:
+        megatron_training.RUN.close()
+
+
+if __name__ == "__main__":
+    main()
