@@ -297,6 +297,15 @@ def _training_patches():
                 purpose="let pretrain() initialize without CUDA (CPU mode)",
             ),
             MethodPatch(
+                # validate_args asks for the GPU architecture with TP > 1, to require
+                # CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell (10): a CUDA stream-scheduling
+                # concern that has no meaning on CPU, so CPU mode answers "no such limit".
+                target="megatron.training.arguments:get_device_arch_version",
+                expected_signature="()",
+                make_wrapper=_const(10),
+                purpose="validate Megatron-LM's arguments without a GPU (CPU mode)",
+            ),
+            MethodPatch(
                 target="megatron.legacy.fused_kernels:load",
                 expected_signature="(args)",
                 make_wrapper=lambda original: lambda args: None,

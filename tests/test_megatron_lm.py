@@ -43,8 +43,13 @@ GPT = (
     "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 "
     "--lr-warmup-iters 2 --lr-decay-iters 100 --mock-data --tokenizer-type NullTokenizer "
     "--vocab-size 256 --log-interval 1 --eval-iters 0 --eval-interval 1000 --seed 1234 "
-    "--use-distributed-optimizer --overlap-grad-reduce"
+    "--use-distributed-optimizer"
 ).split()
+LAYOUTS = {  # flags, the two ranks' diff-log folders
+    "dp2-async-save": ("--overlap-grad-reduce --async-save", ("rank_0_0_0", "rank_0_0_1")),
+    "tp2-bf16": ("--tensor-model-parallel-size 2 --bf16", ("rank_0_0_0", "rank_1_0_0")),
+    "pp2": ("--pipeline-model-parallel-size 2", ("rank_0_0_0", "rank_0_1_0")),
+}
 
 
 def _losses(log: str) -> dict[int, str]:
@@ -67,17 +72,36 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _assert_same_checkpoint(expected: Path, got: Path) -> None:
-    """Every tensor (model, main parameters, Adam moments), the RNG states and the optimizer's
-    param groups (step; the learning rate and weight decay there are not compared: a merged base
-    holds the last step's, a saved one the next step's, and loading sets them from the
-    scheduler's step count) of two checkpoints are equal."""
+def _state_regions(diff_dir: Path) -> dict[str, torch.Tensor]:
+    """Per flat optimizer tensor, the positions that hold state (not bucket padding, which
+    megatron saves uninitialised), from the ranks' shard maps."""
+    from megatron_diffckpt.shard_map import STATE_NAMES, read_shard_map
+
+    regions: dict[str, list[tuple[int, int]]] = {}
+    for rank_dir in sorted(diff_dir.glob("rank_*")):
+        for inner in read_shard_map(str(rank_dir)).inner:
+            for entry in (e for group in inner.groups for e in group):
+                for key in (entry.main_key, *(entry.state_key(n) for n in STATE_NAMES)):
+                    regions.setdefault(key, []).append((entry.main_offset, entry.numel))
+    return regions
+
+
+def _assert_same_checkpoint(expected: Path, got: Path, diff_dir: Path) -> None:
+    """Every tensor (model; main parameters and Adam moments where they hold state), the RNG
+    states and the optimizer's param groups (step; the learning rate and weight decay there are
+    not compared: a merged base holds the last step's, a saved one the next step's, and loading
+    sets them from the scheduler's step count) of two checkpoints are equal."""
     from megatron_diffckpt.dist_ckpt_io import load_object, read_entries
 
     a, b = read_entries(str(expected)), read_entries(str(got))
+    regions = _state_regions(diff_dir)
     assert a.keys() == b.keys() and any("exp_avg_sq" in k for k in a)
     for key, value in a.items():
-        if torch.is_tensor(value):
+        if torch.is_tensor(value) and key.startswith("optimizer."):
+            assert key in regions, key
+            for start, n in regions[key]:
+                assert torch.equal(value[start : start + n], b[key][start : start + n]), key
+        elif torch.is_tensor(value):
             assert torch.equal(value, b[key]), key
         elif key.startswith("rng_state"):
             assert _same(load_object(value), load_object(b[key])), key
@@ -89,7 +113,7 @@ def _assert_same_checkpoint(expected: Path, got: Path) -> None:
 
 
 def _run(*args: str) -> str:
-    proc = run_gpt(2, *GPT, *args, script=SCRIPT)
+    proc = run_gpt(2, *args, script=SCRIPT)
     return proc.stdout + proc.stderr
 
 
@@ -110,19 +134,20 @@ def test_drift_checks_pass_against_the_checkout():
 
 
 @pytest.mark.distributed
-def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path, layout):
+    flags, rank_dirs = LAYOUTS[layout]
+    gpt = [*GPT, *flags.split()]
     straight = tmp_path / "straight"  # bases at 4, 8, 12 (saving changes no training state)
-    log = _run("--train-iters", str(TOTAL), "--save", str(straight), "--save-interval", "4")
+    log = _run(*gpt, "--train-iters", str(TOTAL), "--save", str(straight), "--save-interval", "4")
     expected_losses = _losses(log)
     assert sorted(expected_losses) == list(range(1, TOTAL + 1))
 
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff"]
     # SIGKILL once iteration 8 is logged and both ranks' differentials of 8 are durable.
-    durable = [
-        ckpt / "diffckpt" / f"rank_0_0_{d}" / "seg_0000000008_0000000008.bin" for d in (0, 1)
-    ]
-    run_until_killed([*GPT, "--train-iters", str(TOTAL), *diff], KILL_AFTER, durable, SCRIPT)
+    durable = [ckpt / "diffckpt" / name / "seg_0000000008_0000000008.bin" for name in rank_dirs]
+    run_until_killed([*gpt, "--train-iters", str(TOTAL), *diff], KILL_AFTER, durable, SCRIPT)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
     assert len(list((ckpt / "diffckpt").glob("rank_*/shard_map.json"))) == 2
 
@@ -134,14 +159,15 @@ def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path)
         env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    _assert_same_checkpoint(straight / "iter_0000008", merged / "iter_0000008")
+    _assert_same_checkpoint(straight / "iter_0000008", merged / "iter_0000008", ckpt / "diffckpt")
     # ...which stock Megatron-LM (differential checkpointing off) resumes from.
-    log = _run("--train-iters", str(TOTAL), "--exit-interval", "9", "--load", str(merged))
+    log = _run(*gpt, "--train-iters", str(TOTAL), "--exit-interval", "9", "--load", str(merged))
     assert "consumed samples:           72" in log and sorted(_losses(log)) == [9]
+    assert re.search(r"loaded checkpoint from .* at iteration 8", log)
 
     # Restart with --load: Megatron-LM loads base 5, the hooks replay up to the newest
     # iteration both ranks hold, and training goes on to TOTAL.
-    log = _run("--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
+    log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
     recovered = re.search(r"recovered to iteration (\d+) \(base 5\)", log)
     assert recovered, log[-4000:]
     start = int(recovered.group(1))
@@ -152,7 +178,8 @@ def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path)
     # of the first two iterations (its own logging, with or without this package): skip it.
     del losses[start + 2]
     assert {i: expected_losses[i] for i in losses} == losses
-    _assert_same_checkpoint(straight / f"iter_{TOTAL:07d}", ckpt / f"iter_{TOTAL:07d}")
+    final = f"iter_{TOTAL:07d}"
+    _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
 
 
 @pytest.mark.distributed

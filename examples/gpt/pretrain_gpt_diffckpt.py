@@ -15,7 +15,8 @@ training step). Every Megatron-LM flag works as usual::
 checkout goes at the end of the import path), so keep the two at the same release. Without CUDA
 it runs on CPU processes with gloo through :mod:`megatron_diffckpt.cpu_mode`, which then adds
 the flags CPU training needs (``--distributed-backend gloo --transformer-impl local
---no-gradient-accumulation-fusion --no-persist-layer-norm``) unless given.
+--no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion``) unless
+given.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ CPU_FLAGS = {
     "--transformer-impl": ["local"],
     "--no-gradient-accumulation-fusion": [],
     "--no-persist-layer-norm": [],
+    "--no-masked-softmax-fusion": [],  # a CUDA extension (scaled_masked_softmax_cuda)
 }
 
 
