@@ -261,17 +261,30 @@ def _update_rng(obj: Any, states: dict[str, Any]) -> Any:
     return out
 
 
-def _rng_entries(entries: dict[str, Any], chains: list[RankChain]) -> dict[str, bytes]:
-    """The ``rng_state`` entries at the target: per (PP, TP) rank, from its DP rank 0's chain."""
-    out = {}
+def _rng_entries(entries: dict[str, Any], chains: list[RankChain], problems: list[str]) -> None:
+    """Move the ``rng_state`` entries to the target: one per (PP, TP) rank, holding its DP rank
+    0's states (or, as a list with one entry per DP rank, each rank's own: Megatron-LM's
+    ``--data-parallel-random-init``). Where the base has no such entry, ``problems`` says so."""
+    by_model_rank: dict[tuple[int, int], dict[int, RankChain]] = {}
     for chain in chains:
         tp, pp, dp = chain.shard_map.rank
-        tp_size, pp_size, _ = chain.shard_map.parallel
+        by_model_rank.setdefault((tp, pp), {})[dp] = chain
+    for (tp, pp), per_dp in sorted(by_model_rank.items()):
+        tp_size, pp_size, dp_size = per_dp[0].shard_map.parallel
         key = f"rng_state/shard_{pp}.{tp}_{pp_size}.{tp_size}"
-        if dp != 0 or key not in entries or not chain.records:
+        if key not in entries:
+            problems.append(
+                f"no {key} in the base: the RNG states of TP rank {tp}, PP rank {pp} stay the "
+                "base's"
+            )
             continue
-        out[key] = dump_object(_update_rng(load_object(entries[key]), rng_states_at(chain.records)))
-    return out
+        states = {dp: rng_states_at(c.records) for dp, c in per_dp.items()}
+        obj = load_object(entries[key])
+        if isinstance(obj, list) and len(obj) == dp_size > 1:
+            obj = [_update_rng(o, states[dp]) for dp, o in enumerate(obj)]
+        else:
+            obj = _update_rng(obj, states[0])
+        entries[key] = dump_object(obj)
 
 
 def merge_base(
@@ -332,7 +345,7 @@ def merge_base(
     bar.close()
     for key, (step, groups) in after.items():
         entries[key] = dump_object(_with_step(objects[key], step, groups))
-    entries.update(_rng_entries(entries, chains))
+    _rng_entries(entries, chains, problems)
 
     last = chains[0].records[-1]
     common = torch.load(os.path.join(src, "common.pt"), map_location="cpu", weights_only=False)

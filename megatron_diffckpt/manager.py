@@ -78,6 +78,19 @@ def _run_id(diff_dir: str, mode: str) -> str:
         return json.load(f)["run_id"]
 
 
+def format_metrics(metrics: dict[str, float]) -> str:
+    """:meth:`DiffCheckpointManager.metrics` as fields of a Megatron-style log line."""
+    text = f" recoverable lag: {int(metrics['recoverable_lag'])} |"
+    if "bytes_per_iteration" in metrics:
+        text += (
+            f" diff bytes per iteration: {metrics['bytes_per_iteration'] / 1e3:.1f} KB |"
+            f" writer backlog: {int(metrics['writer_backlog'])} |"
+        )
+    if "merge_backlog" in metrics:
+        text += f" merge backlog: {int(metrics['merge_backlog'])} |"
+    return text
+
+
 class DiffCheckpointManager:
     """Captures every iteration's differential and recovers from base + differentials.
 

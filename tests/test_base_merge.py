@@ -25,12 +25,25 @@ BASE_INTERVAL = 5
 KILL_AFTER = 9
 MERGE_AT = 8
 
-LAYOUTS = {  # flags, --diffckpt-mode
-    "tp1-pp1-dp2-bf16": ("--use-distributed-optimizer --overlap-grad-reduce --bf16", "lowdiff"),
-    "tp2-pp1-dp1": ("--tensor-model-parallel-size 2 --use-distributed-optimizer", "lowdiff"),
-    "tp1-pp2-dp1": ("--pipeline-model-parallel-size 2 --use-distributed-optimizer", "lowdiff"),
+DP2 = ("rank_0_0_0", "rank_0_0_1")
+LAYOUTS = {  # flags, --diffckpt-mode, the two ranks' diff-log folders
+    "tp1-pp1-dp2-bf16": (
+        "--use-distributed-optimizer --overlap-grad-reduce --bf16",
+        "lowdiff",
+        DP2,
+    ),
+    "tp2-pp1-dp1": (
+        "--tensor-model-parallel-size 2 --use-distributed-optimizer",
+        "lowdiff",
+        ("rank_0_0_0", "rank_1_0_0"),
+    ),
+    "tp1-pp2-dp1": (
+        "--pipeline-model-parallel-size 2 --use-distributed-optimizer",
+        "lowdiff",
+        ("rank_0_0_0", "rank_0_1_0"),
+    ),
     # LowDiff+: the merger's dense records are differentials of the same kind.
-    "tp1-pp1-dp2-plus": ("--use-distributed-optimizer --overlap-grad-reduce", "lowdiff-plus"),
+    "tp1-pp1-dp2-plus": ("--use-distributed-optimizer --overlap-grad-reduce", "lowdiff-plus", DP2),
 }
 
 
@@ -48,7 +61,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_merged_base_resumes_like_uninterrupted_training(tmp_path, layout):
-    flags, mode = LAYOUTS[layout]
+    flags, mode, rank_dirs = LAYOUTS[layout]
     common = [*TINY_GPT, *flags.split(), "--lr-decay-iters", "100"]
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", mode, "--save", str(ckpt), "--save-interval", "5"]
@@ -56,10 +69,8 @@ def test_merged_base_resumes_like_uninterrupted_training(tmp_path, layout):
     # SIGKILL once the base is published (LowDiff+ publishes it later) and both ranks'
     # differentials of MERGE_AT are durable.
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    segments = [
-        ckpt / "diffckpt" / f"rank_0_0_{d}" / f"seg_{MERGE_AT:010d}_{MERGE_AT:010d}.bin"
-        for d in (0, 1)
-    ]
+    segment = f"seg_{MERGE_AT:010d}_{MERGE_AT:010d}.bin"
+    segments = [ckpt / "diffckpt" / name / segment for name in rank_dirs]
     run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER, [tracker, *segments])
     assert tracker.read_text() == str(BASE_INTERVAL)
     maps = sorted((ckpt / "diffckpt").glob(f"rank_*/{SHARD_MAP_FILE}"))
@@ -99,7 +110,8 @@ def test_merge_refuses_what_it_cannot_do_and_names_why(tmp_path):
     common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--save-interval", "5"]
-    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER)
+    durable = [ckpt / "diffckpt" / name / "seg_0000000008_0000000008.bin" for name in DP2]
+    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER, durable)
     out = tmp_path / "merged"
 
     # Beyond what every rank holds: exit 1, with where each chain ends.
@@ -183,3 +195,23 @@ def test_a_run_trained_with_a_fused_optimizer_is_refused():
     with pytest.raises(base_merge.MergeError, match="FusedAdam.*--load"):
         base_merge._optimizer_for(0, entry, {}, [])
     assert torch.optim.AdamW is base_merge._OPTIMIZERS["AdamW"]
+
+
+def test_rng_states_move_to_the_chain_and_a_cpu_mode_device_state_follows_the_cpu_one():
+    cpu_state = torch.get_rng_state()
+    new = {"torch": torch.full_like(cpu_state, 7), "tracker": {"model-parallel-rng": cpu_state}}
+    saved = {
+        "random_rng_state": (3, (1, 2), None),
+        "torch_rng_state": cpu_state,
+        "cuda_rng_state": cpu_state.clone(),  # CPU mode: the device generator is the CPU one
+        "rng_tracker_states": {"model-parallel-rng": torch.zeros(3), "other": torch.ones(2)},
+    }
+    out = base_merge._update_rng([saved], new)[0]  # Megatron-LM saves a list
+    assert torch.equal(out["torch_rng_state"], new["torch"])
+    assert torch.equal(out["cuda_rng_state"], new["torch"])
+    assert out["random_rng_state"] == (3, (1, 2), None)  # not in the chain: unchanged
+    assert torch.equal(out["rng_tracker_states"]["model-parallel-rng"], cpu_state)
+    assert torch.equal(out["rng_tracker_states"]["other"], torch.ones(2))
+    # A real device state (another generator) is not the CPU one's to overwrite.
+    gpu_like = {**saved, "cuda_rng_state": torch.zeros(16, dtype=torch.uint8)}
+    assert torch.equal(base_merge._update_rng(gpu_like, new)["cuda_rng_state"], torch.zeros(16))

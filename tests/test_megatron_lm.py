@@ -170,6 +170,9 @@ def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path,
     log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
     recovered = re.search(r"recovered to iteration (\d+) \(base 5\)", log)
     assert recovered, log[-4000:]
+    # Observability: Megatron-LM's timer for the differential, and the manager's metrics.
+    assert "diffckpt-diff" in log
+    assert re.search(r"diffckpt at iteration 12 \| recoverable lag: \d+ \| diff bytes per", log)
     start = int(recovered.group(1))
     assert start >= KILL_AFTER - 1
     losses = _losses(log)

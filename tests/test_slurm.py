@@ -152,19 +152,27 @@ def test_killed_task_requeues_and_resumes_exactly(slurm, tmp_path):
     ranks[0].send_signal(signal.SIGKILL)
     _wait(lambda: "requeue 1 of 3" in out.read_text(), "the requeue", out)
 
-    # Slurm holds a requeued batch job back for a while. Release it once it is pending and the
-    # node has finished with the previous start (sooner, the start fails: "Job credential
-    # revoked").
+    # Slurm holds a requeued batch job back for a while. Release it once it is pending and
+    # slurmd has finished the previous start's batch script and step (the node may look idle
+    # to slurmctld before that; a start released sooner fails: "Job credential revoked").
+    slurmd_log = Path(slurm["SLURM_CONF"]).parent / "slurmd.log"
+
     def requeued_and_node_free():
+        done = slurmd_log.read_text()
         idle = subprocess.run(["sinfo", "-h", "-o", "%T"], env=slurm, capture_output=True,
                               text=True).stdout.strip() == "idle"  # fmt: skip
+        show = _show(slurm, job)
         return (
-            idle and "JobState=PENDING" in _show(slurm, job) and "Restarts=1" in _show(slurm, job)
+            idle
+            and f"[{job}.batch] done with job" in done
+            and f"[{job}.0] done with job" in done
+            and "JobState=PENDING" in show
+            and "Restarts=1" in show
         )
 
     _wait(requeued_and_node_free, "the requeued job to pend on a free node", out)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
-    _wait(lambda: _state(slurm, job) in FINAL and "start 2" in out.read_text(), "the end", out)
+    _wait(lambda: _state(slurm, job) in FINAL, "the end", out)
     assert _state(slurm, job) == "COMPLETED", out.read_text()[-3000:]
     log = out.read_text()
     assert "start 2 (restarts so far 1 of 3)" in log and "resuming from" in log, log[-3000:]

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt.manager import format_metrics
+
 logger = logging.getLogger("pretrain_gpt")
 
 TIMERS = ("diffckpt-diff", "save-checkpoint")
@@ -55,16 +57,7 @@ class Observer:
         """The manager's metrics for the log line ("" without differential checkpointing)."""
         if self.manager is None:
             return ""
-        m = self.manager.metrics(iteration)
-        text = f" recoverable lag: {int(m['recoverable_lag'])} |"
-        if "bytes_per_iteration" in m:
-            text += (
-                f" diff bytes per iteration: {m['bytes_per_iteration'] / 1e3:.1f} KB |"
-                f" writer backlog: {int(m['writer_backlog'])} |"
-            )
-        if "merge_backlog" in m:
-            text += f" merge backlog: {int(m['merge_backlog'])} |"
-        return text
+        return format_metrics(self.manager.metrics(iteration))
 
     def log(self, iteration: int, iterations: int, scalars: dict[str, float]) -> None:
         """Timers (min/max across ranks) to the log and, with the scalars, to TensorBoard.

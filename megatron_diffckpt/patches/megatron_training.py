@@ -13,8 +13,11 @@ global that Megatron-LM's code looks up at call time, and calls the original:
    iterators drew from torch's generator), and capture starts.
 2. ``training.train_step``: the optimizer step's input was captured inside it (the
    :mod:`~megatron_diffckpt.patches.optimizer_step` hook); after it, the iteration's differential
-   is handed to the writer, and once, the rank's shard map is written (``megatron-diffckpt
-   merge``). With ``--diffckpt-auto-tune``, ``--save-interval`` follows the tuned F.
+   is handed to the writer (timed by Megatron-LM's timers as ``diffckpt-diff``), and once, the
+   rank's shard map is written (``megatron-diffckpt merge``). Every ``--log-interval``, the
+   timer (min/max across ranks) and the manager's metrics (recoverable lag, diff bytes per
+   iteration, writer backlog) are logged, and written to Megatron-LM's TensorBoard writer when
+   it has one. With ``--diffckpt-auto-tune``, ``--save-interval`` follows the tuned F.
 3. ``training.save_checkpoint`` (what ``save_checkpoint_and_time`` and ``pretrain`` call) and
    ``checkpointing.schedule_async_save``: the manager learns that a base was saved and, once its
    tracker moved (at once for a synchronous save, in the asynchronous save's finalize step),
@@ -123,7 +126,7 @@ class _Run:
         """After each train_step: the iteration's differential, the shard map. All ranks."""
         from megatron.core import parallel_state as mpu
         from megatron.core.num_microbatches_calculator import get_num_microbatches
-        from megatron.training import get_args
+        from megatron.training import get_args, get_timers
         from megatron.training.checkpointing import (
             _build_sharded_state_dict_metadata,
             generate_state_dict,
@@ -133,9 +136,14 @@ class _Run:
         args = get_args()
         iteration = args.curr_iteration + 1
         batch = mpu.get_data_parallel_world_size() * args.micro_batch_size * get_num_microbatches()
+        timers = get_timers()
+        timers("diffckpt-diff", log_level=0).start()
         self.manager.end_iteration(
             iteration, self.scheduler.num_steps, args.consumed_train_samples + batch, train_s
         )
+        timers("diffckpt-diff").stop()
+        if args.log_interval and iteration % args.log_interval == 0:
+            self._log(iteration, args.log_interval)
 
         def sharded_state_dict() -> dict:  # as save_checkpoint builds it
             meta = _build_sharded_state_dict_metadata(args)
@@ -158,6 +166,23 @@ class _Run:
         self.manager.record_shard_map(sharded_state_dict, parallel)
         if self.config.auto_tune:
             args.save_interval = self.manager.full_interval
+
+    def _log(self, iteration: int, interval: int) -> None:
+        """Megatron-LM's timer line for ``diffckpt-diff`` (min/max across ranks), the manager's
+        metrics on the last rank's log, and as ``diffckpt/*`` scalars to Megatron-LM's
+        TensorBoard writer when it has one. All ranks, collectively (the timers gather)."""
+        from megatron.training import get_tensorboard_writer, get_timers
+
+        from megatron_diffckpt.manager import format_metrics
+
+        get_timers().log(["diffckpt-diff"], normalizer=interval)
+        metrics = self.manager.metrics(iteration)
+        if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            logger.info("diffckpt at iteration %d |%s", iteration, format_metrics(metrics))
+        writer = get_tensorboard_writer()
+        if writer is not None:
+            for key, value in metrics.items():
+                writer.add_scalar(f"diffckpt/{key}", value, iteration)
 
     def close(self) -> None:
         """Write what is pending and stop. All ranks, after pretrain() returned."""
