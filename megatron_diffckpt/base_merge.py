@@ -41,7 +41,9 @@ import torch
 from megatron_diffckpt.capture import record_grads, rng_states_at, set_step_inputs
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
+    CheckpointNotFoundError,
     checkpoint_dir,
+    find_latest_iteration,
     list_checkpoints,
     publish_iteration,
 )
@@ -53,7 +55,7 @@ from megatron_diffckpt.dist_ckpt_io import (
     read_metadata,
     write_entries,
 )
-from megatron_diffckpt.durable_io import fsync_dir
+from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.shard_map import STATE_NAMES, ParamEntry, ShardMap, read_shard_map
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity
@@ -362,13 +364,21 @@ def merge_base(
     if os.path.exists(staging):
         shutil.rmtree(staging)  # an interrupted merge's leftovers: never published
     bar = Progress(f"write iter_{target:07d}", 1, "checkpoints", stream=stream)
-    write_entries(staging, entries)
-    torch.save(common, os.path.join(staging, "common.pt"))
-    shutil.copyfile(os.path.join(src, COMPLETE_MARKER), os.path.join(staging, COMPLETE_MARKER))
-    fsync_dir(staging)
+    write_entries(staging, entries)  # DCP fsyncs its files; .metadata last
+    publish_file(os.path.join(staging, "common.pt"), lambda f: torch.save(common, f))
+    with open(os.path.join(src, COMPLETE_MARKER), "rb") as f:
+        marker = f.read()
+    publish_file(os.path.join(staging, COMPLETE_MARKER), lambda f: f.write(marker))
     os.replace(staging, final)
     fsync_dir(out)
-    publish_iteration(out, target)
+    try:
+        newer = find_latest_iteration(out)
+    except CheckpointNotFoundError:
+        newer = None
+    if newer is not None and newer > target:  # the tracker only ever moves forward
+        problems.append(f"{out}'s tracker names iteration {newer}; left there")
+    else:
+        publish_iteration(out, target)
     bar.update(1)
     seconds = bar.close()
     return {

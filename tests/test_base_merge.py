@@ -134,9 +134,15 @@ def test_merge_refuses_what_it_cannot_do_and_names_why(tmp_path):
         "latest_checkpointed_iteration.txt",
     ]
     assert not (out / "iter_0000007" / "junk").exists()
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
     # Never overwrites.
     proc = _cli("merge", str(ckpt), "--iteration", "7", "--out", str(out))
     assert proc.returncode == 1 and "exists" in proc.stderr
+    # An older iteration into the same folder: written, but the tracker never moves back.
+    proc = _cli("merge", str(ckpt), "--iteration", "6", "--out", str(out), "--quiet")
+    assert proc.returncode == 0 and "tracker names iteration 7; left there" in proc.stdout
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
+    assert (out / "iter_0000006" / "metadata.json").exists()
     # Default target: the newest iteration every rank reaches.
     proc = _cli("merge", str(ckpt), "--out", str(tmp_path / "newest"), "--quiet")
     assert proc.returncode == 0, proc.stderr
