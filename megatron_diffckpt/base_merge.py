@@ -28,9 +28,7 @@ only checkpoints you trust.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -59,9 +57,13 @@ from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.shard_map import STATE_NAMES, ParamEntry, ShardMap, read_shard_map
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity
-from megatron_diffckpt.storage.reader import scan_rank_log
+from megatron_diffckpt.storage.reader import (
+    RUN_ID_FILE,
+    list_rank_dirs,
+    read_run_info,
+    scan_rank_log,
+)
 
-_RANK_RE = re.compile(r"^rank_(\d+)_(\d+)_(\d+)$")
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,20 +81,14 @@ class RankChain:
     records: list[DiffRecord]
 
 
-def _read_run(diff_dir: str) -> str:
-    try:
-        with open(os.path.join(diff_dir, "run.json")) as f:
-            return json.load(f)["run_id"]
-    except (OSError, ValueError, KeyError) as e:
-        raise MergeError(f"{diff_dir} holds no readable run.json ({e}): not a diff log") from e
-
-
 def _rank_chains(
     diff_dir: str, base: int, target: int | None
 ) -> tuple[int, list[RankChain], list[str]]:
     """Every rank's chain after ``base``; the target (default: the newest iteration all reach)."""
-    run_id = _read_run(diff_dir)
-    names = sorted(n for n in os.listdir(diff_dir) if _RANK_RE.match(n))
+    run_id = read_run_info(diff_dir).get("run_id")
+    if run_id is None:
+        raise MergeError(f"{diff_dir} holds no readable {RUN_ID_FILE}: not a diff log")
+    names = list_rank_dirs(diff_dir)
     if not names:
         raise MergeError(f"{diff_dir} has no rank folders: nothing to merge")
     maps: dict[str, ShardMap] = {}
@@ -325,7 +321,7 @@ def merge_base(
     total = sum(entry_bytes(m) for m in metadata.state_dict_metadata.values())
     bar = Progress(f"read iter_{base:07d}", len(metadata.state_dict_metadata), "entries", total,
                    stream=stream)  # fmt: skip
-    entries = read_entries(src, on_group=bar.update)
+    entries = read_entries(src, on_group=bar.update, metadata=metadata)
     bar.close()
 
     objects: dict[str, Any] = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 from dataclasses import dataclass, field, fields
@@ -35,13 +34,13 @@ from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.scale_plan import JobSpec, compare, expected_loss_hours
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import (
+    list_rank_dirs,
     list_segments,
+    read_run_info,
     read_segment,
     read_segment_header,
     scan_rank_log,
 )
-
-_RANK_RE = re.compile(r"^rank_(\d+)_(\d+)_(\d+)$")
 
 
 @dataclass
@@ -83,14 +82,6 @@ def _report_rank(rank_dir: str, base: int | None) -> RankReport:
     return report
 
 
-def _run_info(diff_dir: str) -> dict:
-    try:
-        with open(os.path.join(diff_dir, "run.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def _plus_traces(diff_dir: str) -> dict[str, dict]:
     """LowDiff+: each rank's summary of its last run's stage trace (copy time, bubbles)."""
     folder = os.path.join(diff_dir, "trace")
@@ -114,16 +105,12 @@ def inspect_dir(root: str, diff_dir: str | None = None) -> dict:
     except CheckpointNotFoundError:
         latest = None
     ddir = _diff_dir(root, diff_dir)
-    ranks = []
-    if os.path.isdir(ddir):
-        for name in sorted(os.listdir(ddir)):
-            if _RANK_RE.match(name):
-                ranks.append(_report_rank(os.path.join(ddir, name), latest))
+    ranks = [_report_rank(os.path.join(ddir, name), latest) for name in list_rank_dirs(ddir)]
     ends = [r.chain_end for r in ranks if r.chain_end is not None]
     recoverable = min(ends) if ends and len(ends) == len(ranks) else latest
     return {
         "root": root,
-        "mode": _run_info(ddir).get("mode"),
+        "mode": read_run_info(ddir).get("mode"),
         "lowdiff_plus_traces": _plus_traces(ddir),
         "latest_base": latest,
         "bases": [{"iteration": i, "complete": c} for i, c in list_checkpoints(root)],
@@ -151,10 +138,8 @@ def verify_dir(root: str, diff_dir: str | None = None) -> tuple[list[str], list[
     ddir = _diff_dir(root, diff_dir)
     if not os.path.isdir(ddir):
         return problems, notes
-    for name in sorted(os.listdir(ddir)):
+    for name in list_rank_dirs(ddir):
         rank_dir = os.path.join(ddir, name)
-        if not _RANK_RE.match(name):
-            continue
         identity = _rank_identity(rank_dir)
         for _, _, path in list_segments(rank_dir):
             scan = read_segment(path, identity)
@@ -232,11 +217,7 @@ def _prune(args: argparse.Namespace) -> int:
         print("megatron-diffckpt prune: --keep must be >= 1", file=sys.stderr)
         return 2
     ddir = _diff_dir(args.dir, args.diff_dir)
-    rank_dirs = (
-        [os.path.join(ddir, n) for n in sorted(os.listdir(ddir)) if _RANK_RE.match(n)]
-        if os.path.isdir(ddir)
-        else []
-    )
+    rank_dirs = [os.path.join(ddir, n) for n in list_rank_dirs(ddir)]
     bases = retention.bases_to_prune(args.dir, args.keep)
     segments = [s for d in rank_dirs for s in retention.segments_to_prune(args.dir, d, args.keep)]
     freed = sum(_tree_bytes(p) for p in bases + segments)

@@ -62,11 +62,13 @@ def read_entries(
     path: str,
     keys: Iterable[str] | None = None,
     on_group: Callable[[int, int], None] | None = None,
+    metadata: Metadata | None = None,
 ) -> dict[str, torch.Tensor | bytes]:
     """The entries ``keys`` (default: all) of the checkpoint at ``path``: global tensors, and
     bytes entries as raw bytes. Reads in groups of about :data:`GROUP_BYTES`, calling
-    ``on_group(entries, nbytes)`` after each. Any process; no process group needed."""
-    metadata = read_metadata(path)
+    ``on_group(entries, nbytes)`` after each. ``metadata``: the checkpoint's, when the caller has
+    read it already. Any process; no process group needed."""
+    metadata = metadata if metadata is not None else read_metadata(path)
     wanted = sorted(metadata.state_dict_metadata if keys is None else keys)
     missing = [k for k in wanted if k not in metadata.state_dict_metadata]
     if missing:

@@ -53,7 +53,7 @@ def export_base(root: str, iteration: int, out: str, progress: bool = True) -> d
     bar = Progress(label, len(entries), "entries", total, stream=sys.stderr if progress else None)
     tensors = {
         key: load_object(value) if isinstance(value, bytes) else value
-        for key, value in read_entries(path, on_group=bar.update).items()
+        for key, value in read_entries(path, on_group=bar.update, metadata=metadata).items()
     }
     common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
     payload = {

@@ -42,12 +42,11 @@ from megatron_diffckpt.patches import optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlus, PlanBase
 from megatron_diffckpt.shard_map import ShardMapError, build_shard_map, write_shard_map
 from megatron_diffckpt.storage.format import SegmentIdentity
-from megatron_diffckpt.storage.reader import scan_rank_log
+from megatron_diffckpt.storage.reader import RUN_ID_FILE, scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
 
 logger = logging.getLogger(__name__)
 
-RUN_ID_FILE = "run.json"
 # The auto-tuner's newest agreed (F, B): a restarted job resumes with it instead of relearning.
 AUTOTUNE_FILE = "autotune.json"
 

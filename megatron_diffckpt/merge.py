@@ -95,7 +95,7 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def _replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A host optimizer with ``opt``'s parameters, options and state, copied."""
     groups = []
     for group in opt.param_groups:
@@ -114,9 +114,19 @@ def replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return replica
 
 
-def copy_optimizer_state(src: torch.optim.Optimizer, dst: torch.optim.Optimizer) -> None:
-    """Copy ``src``'s parameters and state into ``dst``'s tensors (same structure)."""
-    _copy_state(src, dst, into_existing=True)
+def refresh_replicas(
+    sources: list[torch.optim.Optimizer | None],
+    replicas: list[torch.optim.Optimizer | None] | None,
+) -> list[torch.optim.Optimizer | None]:
+    """``replicas`` made to hold ``sources``' parameters, options and state: host copies created
+    on first use (``replicas`` empty or ``None``), afterwards copied into in place. ``None``
+    entries (stub optimizers) stay ``None``."""
+    if not replicas:
+        return [None if o is None else _replica_of(o) for o in sources]
+    for src, dst in zip(sources, replicas, strict=True):
+        if src is not None:
+            _copy_state(src, dst, into_existing=True)
+    return replicas
 
 
 def _copy_state(src: torch.optim.Optimizer, dst: torch.optim.Optimizer, into_existing: bool):
@@ -176,12 +186,7 @@ class ReplicaMerger:
         """Make the replica equal to ``torch_optimizers`` (the training state after
         ``iteration``). Waits until earlier jobs are merged. The training thread."""
         self.wait_idle()
-        if not self.optimizers:
-            self.optimizers = [None if o is None else replica_of(o) for o in torch_optimizers]
-        else:
-            for src, dst in zip(torch_optimizers, self.optimizers, strict=True):
-                if src is not None:
-                    copy_optimizer_state(src, dst)
+        self.optimizers = refresh_replicas(torch_optimizers, self.optimizers)
         with self._cond:
             self._merged = iteration
             self._cond.notify_all()

@@ -38,9 +38,8 @@ from megatron_diffckpt.merge import (
     MergeJob,
     ReplicaMerger,
     StepInputs,
-    copy_optimizer_state,
     host_group_like,
-    replica_of,
+    refresh_replicas,
 )
 from megatron_diffckpt.patches import bucket_snapshot, optimizer_step, pipeline_bubbles
 from megatron_diffckpt.patches.replica_state import ReplicaModelParams, replica_view
@@ -200,14 +199,7 @@ class LowDiffPlus:
 
     def _snapshot_replica(self) -> list[torch.optim.Optimizer | None]:
         """Copy the (idle) replica into the persist buffers, created on first use."""
-        if self._persist_copies is None:
-            self._persist_copies = [
-                None if o is None else replica_of(o) for o in self.merger.optimizers
-            ]
-        else:
-            for src, dst in zip(self.merger.optimizers, self._persist_copies, strict=True):
-                if src is not None:
-                    copy_optimizer_state(src, dst)
+        self._persist_copies = refresh_replicas(self.merger.optimizers, self._persist_copies)
         return self._persist_copies
 
     def _poll_persist(self, block: bool) -> None:

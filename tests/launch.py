@@ -59,6 +59,18 @@ def run_gpt(
     return proc
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``megatron-diffckpt ARGS`` in a new process; output captured, bounded in time."""
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_diffckpt.cli", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+
+
 def run_until_killed(
     args: list[str],
     kill_after: int | None = None,

@@ -10,12 +10,10 @@ scheduler, the consumed samples and the RNG states of dropout were merged too). 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from launch import REPO, TINY_GPT, _env, assert_same_state, load_dumps, run_gpt, run_until_killed
+from launch import TINY_GPT, assert_same_state, load_dumps, run_cli, run_gpt, run_until_killed
 
 from megatron_diffckpt import base_merge
 from megatron_diffckpt.shard_map import SHARD_MAP_FILE, read_shard_map
@@ -47,17 +45,6 @@ LAYOUTS = {  # flags, --diffckpt-mode, the two ranks' diff-log folders
 }
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_diffckpt.cli", *args],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_merged_base_resumes_like_uninterrupted_training(tmp_path, layout):
@@ -77,7 +64,7 @@ def test_merged_base_resumes_like_uninterrupted_training(tmp_path, layout):
     assert len(maps) == 2
 
     merged = tmp_path / "merged"
-    proc = _cli("merge", str(ckpt), "--iteration", str(MERGE_AT), "--out", str(merged))
+    proc = run_cli("merge", str(ckpt), "--iteration", str(MERGE_AT), "--out", str(merged))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"merged base {BASE_INTERVAL} and 6 differential(s) of 2 rank(s)" in proc.stdout
     assert "[replay 6-8 on 2 ranks] 6/6 steps" in proc.stderr  # the progress line
@@ -115,19 +102,19 @@ def test_merge_refuses_what_it_cannot_do_and_names_why(tmp_path):
     out = tmp_path / "merged"
 
     # Beyond what every rank holds: exit 1, with where each chain ends.
-    proc = _cli("merge", str(ckpt), "--iteration", "500", "--out", str(out))
+    proc = run_cli("merge", str(ckpt), "--iteration", "500", "--out", str(out))
     assert proc.returncode == 1
     assert "reach iteration 500" in proc.stderr and "rank_0_0_0" in proc.stderr
     # A base already: nothing to merge.
-    proc = _cli("merge", str(ckpt), "--iteration", "5", "--out", str(out))
+    proc = run_cli("merge", str(ckpt), "--iteration", "5", "--out", str(out))
     assert proc.returncode == 1 and "is a base already" in proc.stderr
     # Never into the folder it reads.
-    proc = _cli("merge", str(ckpt), "--out", str(ckpt))
+    proc = run_cli("merge", str(ckpt), "--out", str(ckpt))
     assert proc.returncode == 1 and "another folder" in proc.stderr
     # A leftover of an interrupted merge is never published, and a new merge replaces it.
     (out / "iter_0000007.merging").mkdir(parents=True)
     (out / "iter_0000007.merging" / "junk").write_text("x")
-    proc = _cli("merge", str(ckpt), "--iteration", "7", "--out", str(out), "--quiet")
+    proc = run_cli("merge", str(ckpt), "--iteration", "7", "--out", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
         "iter_0000007",
@@ -136,15 +123,15 @@ def test_merge_refuses_what_it_cannot_do_and_names_why(tmp_path):
     assert not (out / "iter_0000007" / "junk").exists()
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
     # Never overwrites.
-    proc = _cli("merge", str(ckpt), "--iteration", "7", "--out", str(out))
+    proc = run_cli("merge", str(ckpt), "--iteration", "7", "--out", str(out))
     assert proc.returncode == 1 and "exists" in proc.stderr
     # An older iteration into the same folder: written, but the tracker never moves back.
-    proc = _cli("merge", str(ckpt), "--iteration", "6", "--out", str(out), "--quiet")
+    proc = run_cli("merge", str(ckpt), "--iteration", "6", "--out", str(out), "--quiet")
     assert proc.returncode == 0 and "tracker names iteration 7; left there" in proc.stdout
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
     assert (out / "iter_0000006" / "metadata.json").exists()
     # Default target: the newest iteration every rank reaches.
-    proc = _cli("merge", str(ckpt), "--out", str(tmp_path / "newest"), "--quiet")
+    proc = run_cli("merge", str(ckpt), "--out", str(tmp_path / "newest"), "--quiet")
     assert proc.returncode == 0, proc.stderr
     newest = int((tmp_path / "newest" / "latest_checkpointed_iteration.txt").read_text())
     assert newest >= KILL_AFTER - 1
@@ -153,10 +140,10 @@ def test_merge_refuses_what_it_cannot_do_and_names_why(tmp_path):
     rank1 = ckpt / "diffckpt" / "rank_0_0_1"
     shard_map = read_shard_map(str(rank1))
     (rank1 / SHARD_MAP_FILE).rename(tmp_path / "map.json")
-    proc = _cli("merge", str(ckpt), "--iteration", "7", "--out", str(tmp_path / "x"))
+    proc = run_cli("merge", str(ckpt), "--iteration", "7", "--out", str(tmp_path / "x"))
     assert proc.returncode == 1 and "shard map" in proc.stderr and "rank_0_0_1" in proc.stderr
     rank1.rename(tmp_path / "rank_0_0_1")
-    proc = _cli("merge", str(ckpt), "--iteration", "7", "--out", str(tmp_path / "x"))
+    proc = run_cli("merge", str(ckpt), "--iteration", "7", "--out", str(tmp_path / "x"))
     assert proc.returncode == 1 and "DP=2" in proc.stderr
     assert shard_map.parallel == (1, 1, 2) and shard_map.rank == (0, 0, 1)
 

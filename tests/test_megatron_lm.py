@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, _env, run_gpt, run_until_killed
+from launch import REPO, _env, run_cli, run_gpt, run_until_killed
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
 SCRIPT = REPO / "examples" / "gpt" / "pretrain_gpt_diffckpt.py"
@@ -154,11 +154,7 @@ def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path,
 
     # Offline: base 5 + differentials 6-8 into a stock base equal to the one training saved at 8.
     merged = tmp_path / "merged"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_diffckpt.cli", "merge", str(ckpt), "--iteration", "8",
-         "--out", str(merged), "--quiet"],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_cli("merge", str(ckpt), "--iteration", "8", "--out", str(merged), "--quiet")
     assert proc.returncode == 0, proc.stderr
     _assert_same_checkpoint(straight / "iter_0000008", merged / "iter_0000008", ckpt / "diffckpt")
     # ...which stock Megatron-LM (differential checkpointing off) resumes from.
@@ -200,11 +196,7 @@ def test_recovery_is_exact_with_megatrons_plain_optimizer_too(tmp_path):
     ]
     run_until_killed([*gpt, "--train-iters", str(TOTAL), *diff], KILL_AFTER, durable, SCRIPT)
     assert not list((ckpt / "diffckpt").glob("rank_*/shard_map.json"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_diffckpt.cli", "merge", str(ckpt), "--out",
-         str(tmp_path / "merged")],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_cli("merge", str(ckpt), "--out", str(tmp_path / "merged"))
     assert proc.returncode == 1 and "shard map" in proc.stderr
 
     log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))

@@ -6,6 +6,7 @@ account of the rest, so every problem becomes a line in :attr:`RankLogScan.probl
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,6 +22,25 @@ from megatron_diffckpt.storage.format import (
 )
 
 _SEGMENT_RE = re.compile(r"^seg_(\d{10})_(\d{10})\.bin$")
+_RANK_DIR_RE = re.compile(r"^rank_(\d+)_(\d+)_(\d+)$")  # SegmentIdentity.dirname()
+RUN_ID_FILE = "run.json"  # the run's id (and the mode that created the log), in the log's root
+
+
+def list_rank_dirs(diff_dir: str) -> list[str]:
+    """The names of the rank folders (``rank_<tp>_<pp>_<dp>``) of a diff log, sorted; none when
+    the folder is missing. Any process."""
+    if not os.path.isdir(diff_dir):
+        return []
+    return sorted(n for n in os.listdir(diff_dir) if _RANK_DIR_RE.match(n))
+
+
+def read_run_info(diff_dir: str) -> dict:
+    """The diff log's ``run.json`` (``run_id``, ``mode``); empty when missing or unreadable."""
+    try:
+        with open(os.path.join(diff_dir, RUN_ID_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 @dataclass
