@@ -171,6 +171,9 @@ def test_killed_task_requeues_and_resumes_exactly(slurm, tmp_path):
         )
 
     _wait(requeued_and_node_free, "the requeued job to pend on a free node", out)
+    # slurmd refuses credentials of a requeued job issued in the same second as the revocation
+    # (its timestamps have one-second resolution): release it in a later second.
+    time.sleep(1.0 - time.time() % 1.0 + 0.2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
     _wait(lambda: _state(slurm, job) in FINAL, "the end", out)
     assert _state(slurm, job) == "COMPLETED", out.read_text()[-3000:]
