@@ -5,8 +5,14 @@
 PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
+MLM_STAMP := $(VENV)/.installed-megatron-lm
+# Megatron-LM's own training loop is tested against a checkout of the pinned release: MEGATRON_LM
+# when set, otherwise the shared checkout beside this repository when it exists; without one the
+# Megatron-LM tests skip and say why.
+SHARED_MEGATRON_LM := $(abspath ../shared/megatron-lm/core_v0.16.1)
+MEGATRON_LM ?= $(if $(wildcard $(SHARED_MEGATRON_LM)/megatron/training),$(SHARED_MEGATRON_LM),)
 
-.PHONY: venv demo test lint bench clean slurm-test megatron-lm-test
+.PHONY: venv demo test test-quick lint bench clean slurm-test megatron-lm-test
 
 venv: $(STAMP)
 
@@ -22,10 +28,20 @@ $(STAMP): requirements/cpu.txt requirements/test.txt pyproject.toml
 demo: $(STAMP)
 	bash examples/gpt/demo.sh
 
-# The test suite (what .ci/run runs).
-test: $(STAMP)
+# What Megatron-LM's megatron.training imports beyond the CPU stack (requirements/megatron-lm.txt).
+$(MLM_STAMP): $(STAMP) requirements/megatron-lm.txt
+	$(VENV)/bin/python -m pip install --quiet -r requirements/megatron-lm.txt
+	@touch $(MLM_STAMP)
+
+# The test suite (what .ci/run runs), Megatron-LM's training loop included when a checkout is found.
+test: $(STAMP) $(if $(MEGATRON_LM),$(MLM_STAMP))
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
-	$(VENV)/bin/python -m pytest tests
+	MEGATRON_LM="$(MEGATRON_LM)" $(VENV)/bin/python -m pytest tests
+
+# The inner loop: the tests that start no training processes (about a minute).
+test-quick: $(STAMP)
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/python -m pytest -q -m "not distributed" tests
 
 # The benchmarks (about 45 minutes on 2 cores); results in benchmarks/results/.
 bench: $(STAMP)
@@ -40,13 +56,12 @@ slurm-test: $(STAMP)
 	@command -v slurmctld >/dev/null || { apt-get update -q && apt-get install -y -q slurm-wlm munge; }
 	$(VENV)/bin/python -m pytest -q tests/test_slurm.py
 
-# Megatron-LM's own pretrain_gpt.py (megatron.training) with differential checkpointing, on CPU.
-# Megatron-LM is not a package: give a checkout of the installed megatron-core's release, e.g. a
-# clone of the NVIDIA/Megatron-LM repository at tag core_v0.16.1, kept outside this repository:
+# Megatron-LM's own pretrain_gpt.py (megatron.training) with differential checkpointing, on CPU,
+# alone. Megatron-LM is not a package: a checkout of the installed megatron-core's release (the
+# shared one by default, or e.g. a clone of NVIDIA/Megatron-LM at tag core_v0.16.1):
 #   make megatron-lm-test MEGATRON_LM=../Megatron-LM
-megatron-lm-test: $(STAMP)
+megatron-lm-test: $(MLM_STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "set MEGATRON_LM=<a Megatron-LM checkout>" >&2; exit 2; }
-	$(VENV)/bin/python -m pip install --quiet -r requirements/megatron-lm.txt
 	MEGATRON_LM="$(abspath $(MEGATRON_LM))" $(VENV)/bin/python -m pytest -q tests/test_megatron_lm.py
 
 lint: $(STAMP)

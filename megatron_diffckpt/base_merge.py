@@ -54,6 +54,7 @@ from megatron_diffckpt.dist_ckpt_io import (
     write_entries,
 )
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
+from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.shard_map import STATE_NAMES, ParamEntry, ShardMap, read_shard_map
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity
@@ -68,7 +69,7 @@ _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class MergeError(RuntimeError):
+class MergeError(DiffCkptUsageError, RuntimeError):
     """The merge cannot be done as asked (the message says why and what to do)."""
 
 

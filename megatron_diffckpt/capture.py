@@ -11,20 +11,24 @@ Gradients are stored sparse (``int32`` indices of the entries whose bits are not
 their values) when that is smaller, dense otherwise. Both are exact; with a compressed gradient
 exchange the optimizer input is sparse and so is the differential.
 
-Nothing here imports megatron: the optimizer objects are used through the methods they expose
-(:mod:`megatron_diffckpt.patches.optimizer_step` is the hook into megatron).
+Nothing here imports megatron or the patches: capture gets torch optimizers from the hook
+(:mod:`megatron_diffckpt.patches.optimizer_step`), and replay gets :data:`ReplayTarget` s from it
+(each inner optimizer's torch optimizer and the step that runs it without capturing).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from megatron_diffckpt.patches.optimizer_step import inner_optimizers, step_without_hook
 from megatron_diffckpt.storage.format import DiffRecord
+
+# (inner optimizer index, its torch optimizer, a call that runs its step without capturing it)
+ReplayTarget = tuple[int, Any, Callable[[], Any]]
 
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 8: torch.int64}
 
@@ -228,17 +232,16 @@ def set_step_inputs(
             p.grad = decode_grad(parts, p) if parts else None
 
 
-def replay_record(optimizer: Any, record: DiffRecord) -> None:
+def replay_record(targets: list[ReplayTarget], record: DiffRecord) -> None:
     """Run one recorded optimizer step. All ranks of the data-parallel group, together.
 
-    Each inner optimizer gets the recorded gradients and hyper-parameters, then its own
-    ``step_with_ready_grads`` (torch step, copy to the model, parameter all-gather).
+    Each target's torch optimizer gets the recorded gradients and hyper-parameters, then its
+    step runs (with megatron: ``step_with_ready_grads``: torch step, copy to the model,
+    parameter all-gather).
     """
     if record.scalars["skipped"]:
         return
     grads = record_grads(record)
-    for index, inner in enumerate(inner_optimizers(optimizer)):
-        if getattr(inner, "is_stub_optimizer", False):
-            continue
-        set_step_inputs(index, inner.optimizer, record, grads)
-        step_without_hook(inner)
+    for index, torch_optimizer, step in targets:
+        set_step_inputs(index, torch_optimizer, record, grads)
+        step()

@@ -14,6 +14,7 @@ import os
 import re
 
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.errors import DiffCkptUsageError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # dist_checkpointing writes this file in the save's finalize step, after every rank's data.
@@ -21,7 +22,7 @@ COMPLETE_MARKER = "metadata.json"
 _BASE_RE = re.compile(r"^iter_(\d{7})$")
 
 
-class CheckpointNotFoundError(FileNotFoundError):
+class CheckpointNotFoundError(DiffCkptUsageError, FileNotFoundError):
     """A load directory holds no complete checkpoint."""
 
 

@@ -1,7 +1,10 @@
 """``DiffCkptConfig``: every setting of differential checkpointing, and its ``--diffckpt-*`` flags.
 
 The flags are generated from the dataclass (name, type, default, choices, help from the field's
-docstring), so a setting is written once. Validation lives in ``__post_init__``.
+docstring), so a setting is written once. Validation lives in ``__post_init__`` (rules between
+``--diffckpt-*`` flags) and :meth:`DiffCkptConfig.check_launch` (rules between them and the
+Megatron flags of a launch); both training entries call these, and no other place holds a rule
+between flags.
 """
 
 from __future__ import annotations
@@ -9,8 +12,11 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
+
+from megatron_diffckpt.errors import DiffCkptUsageError
 
 MODES = ("off", "lowdiff", "lowdiff-plus")
 WHEN_FULL = ("block", "skip")
@@ -73,37 +79,86 @@ class DiffCkptConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
+            raise DiffCkptUsageError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
         if self.when_full not in WHEN_FULL:
-            raise ValueError(
+            raise DiffCkptUsageError(
                 f"--diffckpt-when-full must be one of {WHEN_FULL}, got {self.when_full!r}"
             )
         for name in ("batch_size", "max_pending"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be >= 1")
+                raise DiffCkptUsageError(f"--diffckpt-{name.replace('_', '-')} must be >= 1")
         for name in ("full_interval", "keep_bases"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be >= 0")
+                raise DiffCkptUsageError(f"--diffckpt-{name.replace('_', '-')} must be >= 0")
         if self.compressor not in COMPRESSORS:
-            raise ValueError(
+            raise DiffCkptUsageError(
                 f"--diffckpt-compressor must be one of {COMPRESSORS}, got {self.compressor!r}"
             )
         for name in ("mtbf_hours", "host_memory_budget", "retune_interval"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--diffckpt-{name.replace('_', '-')} must be > 0")
+                raise DiffCkptUsageError(f"--diffckpt-{name.replace('_', '-')} must be > 0")
         if self.mode == "lowdiff-plus" and self.compressor != "none":
-            raise ValueError(
+            raise DiffCkptUsageError(
                 "--diffckpt-mode lowdiff-plus is for training without gradient compression; "
                 "use --diffckpt-mode lowdiff with --diffckpt-compressor topk"
             )
         if self.mode == "lowdiff-plus" and self.auto_tune:
-            raise ValueError("--diffckpt-auto-tune applies to --diffckpt-mode lowdiff only")
+            raise DiffCkptUsageError("--diffckpt-auto-tune applies to --diffckpt-mode lowdiff only")
         if not 0.0 < self.topk_ratio <= 1.0:
-            raise ValueError(f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}")
+            raise DiffCkptUsageError(
+                f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}"
+            )
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    def check_launch(self, args: argparse.Namespace) -> None:
+        """Check these settings against a launch's Megatron flags (``args`` of the GPT example or
+        of Megatron-LM; flags either lacks count as their Megatron-LM default). Raises
+        :class:`DiffCkptUsageError` naming every conflict and the flag to change."""
+        problems = [p for p in self._launch_problems(args) if p]
+        if problems:
+            raise DiffCkptUsageError("; ".join(problems))
+
+    def _launch_problems(self, args: argparse.Namespace):
+        def flag(name: str, default: Any = None) -> Any:
+            value = getattr(args, name, default)
+            return default if value is None else value
+
+        save, load = flag("save"), flag("load")
+        ckpt_format = flag("ckpt_format", "torch_dist")
+        if self.auto_tune and not self.enabled:
+            yield "--diffckpt-auto-tune needs --diffckpt-mode lowdiff"
+        if self.compressor != "none" and ckpt_format != "torch_dist":
+            yield (
+                f"--ckpt-format {ckpt_format} does not save the compressed exchange's "
+                "error-feedback residuals; use torch_dist"
+            )
+        if self.compressor != "none" and flag("context_parallel_size", 1) > 1:
+            yield "--diffckpt-compressor topk does not support context parallelism yet"
+        if not self.enabled:
+            return
+        mode = f"--diffckpt-mode {self.mode}"
+        if save is None:
+            yield f"{mode} needs --save DIR (the diff log lives beside the bases)"
+        elif load is not None and os.path.abspath(load) != os.path.abspath(save):
+            yield (
+                f"{mode} continues the differential log of --load: use the same folder for "
+                f"--save (got --load {load}, --save {save})"
+            )
+        if ckpt_format != "torch_dist":
+            yield f"{mode} writes torch_dist bases; --ckpt-format {ckpt_format} is not supported"
+        if self.mode == "lowdiff-plus" and not flag("use_distributed_optimizer", False):
+            yield f"{mode} needs --use-distributed-optimizer (its replica is the optimizer shard)"
+        if self.mode == "lowdiff-plus" and flag("fp16", False):
+            yield f"{mode} does not support fp16 loss scaling yet; use --bf16 or fp32"
+        if self.full_interval == 0 and not flag("save_interval", 0):
+            yield f"{mode} needs --diffckpt-full-interval or --save-interval"
+        if flag("context_parallel_size", 1) > 1 or flag("expert_model_parallel_size", 1) > 1:
+            yield "context or expert parallelism is not supported yet"
+        if flag("iterations_to_skip", None):
+            yield "--iterations-to-skip leaves gaps that no differential can fill"
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -130,7 +185,8 @@ class DiffCkptConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DiffCkptConfig:
-        """The config of parsed flags; raises ``ValueError`` with the flag's name when invalid."""
+        """The config of parsed flags; raises :class:`DiffCkptUsageError` (a ``ValueError``) with
+        the flag's name when invalid."""
         return cls(**{f.name: getattr(args, f"diffckpt_{f.name}") for f in fields(cls)})
 
 

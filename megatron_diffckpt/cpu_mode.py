@@ -37,12 +37,14 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt.errors import DiffCkptUsageError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CpuModeError", "enable", "enable_training", "disable", "is_enabled", "check_drift"]
 
 
-class CpuModeError(RuntimeError):
+class CpuModeError(DiffCkptUsageError, RuntimeError):
     """CPU mode cannot be applied (a GPU is present, or megatron was imported first)."""
 
 

@@ -24,12 +24,13 @@ import torch
 from megatron_diffckpt.checkpoint_layout import checkpoint_dir, list_checkpoints
 from megatron_diffckpt.dist_ckpt_io import entry_bytes, load_object, read_entries, read_metadata
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.progress import Progress
 
 EXPORT_FORMAT = "megatron-diffckpt-export-v1"
 
 
-class ExportError(RuntimeError):
+class ExportError(DiffCkptUsageError, RuntimeError):
     """The requested iteration cannot be exported (message says why and what to do)."""
 
 

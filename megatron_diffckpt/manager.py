@@ -2,20 +2,25 @@
 
 Call sequence, every call on all ranks::
 
-    manager = DiffCheckpointManager(config, save_dir, optimizer, rng_tracker, coords)
+    manager = DiffCheckpointManager(config, save_dir, optimizer, rng_tracker, coords, chunks)
     iteration, scheduler_steps, consumed = manager.recover(base_iteration)  # base loaded first
     manager.start(iteration, full_interval)
     for each iteration:
-        optimizer.step(); scheduler.step(...)          # the hook captures inside step()
+        optimizer.step(); scheduler.step(...)          # the hooks capture inside step()
         manager.end_iteration(iteration, scheduler.num_steps, consumed, train_seconds)
         manager.record_shard_map(make_sharded_state_dict, parallel)  # for `merge`; once
         if manager.base_due(iteration):
-            save a base; manager.on_base_saved(iteration, blocked_seconds)
-        # when a base is published: manager.on_base_published(base_iteration)
+            manager.save_base(iteration, save)          # save(source): the loop's save path
+        # when a base is published (the save's finalize step): manager.on_base_published(it)
     manager.close()
 
-Bases are the training loop's stock dist checkpoints; the diff log runs continuously across them,
-and recovery replays from the newest base the differentials after it.
+What happens every iteration is the strategy's (:mod:`megatron_diffckpt.strategy`): LowDiff
+(:class:`~megatron_diffckpt.lowdiff.LowDiffStrategy`) or LowDiff+
+(:class:`~megatron_diffckpt.plus.LowDiffPlusStrategy`); the manager does what both share:
+recovery, the diff log, the bases' bookkeeping, retention and auto-tuning. Bases are the training
+loop's stock dist checkpoints (written from the training state or from the LowDiff+ replica); the
+diff log runs continuously across them, and recovery replays from the newest base the
+differentials after it.
 """
 
 from __future__ import annotations
@@ -34,16 +39,17 @@ import torch
 
 from megatron_diffckpt import recovery, retention
 from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
-from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.lowdiff import LowDiffStrategy
 from megatron_diffckpt.patches import optimizer_layout, optimizer_step
-from megatron_diffckpt.plus import LowDiffPlus, PlanBase
+from megatron_diffckpt.plus import LowDiffPlusStrategy
 from megatron_diffckpt.shard_map import ShardMapError, build_shard_map, write_shard_map
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import RUN_ID_FILE, scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
+from megatron_diffckpt.strategy import PerIterationStrategy, SaveBase
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +119,9 @@ class DiffCheckpointManager:
         coords: tuple[int, int, int],
         model_chunks: list[Any] | None = None,
     ):
-        if config.mode == "lowdiff-plus" and not model_chunks:
-            raise ValueError("--diffckpt-mode lowdiff-plus needs the model chunks (DDP modules)")
         self.config = config
         self.model_chunks = model_chunks or []
-        self.plus: LowDiffPlus | None = None
+        self.strategy: PerIterationStrategy | None = None  # set by start()
         self.save_dir = save_dir
         self.dir = config.dir or os.path.join(save_dir, "diffckpt")
         self.optimizer = optimizer
@@ -127,7 +131,6 @@ class DiffCheckpointManager:
             _run_id(self.dir, config.mode), tp, pp, dp, shard_layout_hash(optimizer)
         )
         self.rank_dir = os.path.join(self.dir, self.identity.dirname())
-        self.capture = GradShardCapture()
         self.writer: DiffLogWriter | None = None
         self.tuner: OnlineTuner | None = None
         self.full_interval = 0  # F; set by start()
@@ -136,8 +139,6 @@ class DiffCheckpointManager:
         self._published: dict[int, float] = {}  # base iteration -> when it was published
         self._published_bases: list[int] = []
         self._recovery: tuple[float, float | None, float] | None = None
-        self._step_start: float | None = None
-        self._capture_s = 0.0
         self._shard_map_done = False
         self.last_diff_seconds = 0.0
         """Training-path time of the last differential: capture, record, hand-off."""
@@ -168,7 +169,8 @@ class DiffCheckpointManager:
             scan.last_iteration,
         )
         start = time.perf_counter()
-        last = recovery.replay(self.optimizer, records, self.rng_tracker)
+        targets = optimizer_step.replay_targets(self.optimizer)
+        last = recovery.replay(targets, records, self.rng_tracker)
         replay_s = time.perf_counter() - start
         logger.info(
             "recovery: read the diff log in %.3f s, replayed %d differential(s) in %.3f s",
@@ -281,23 +283,18 @@ class DiffCheckpointManager:
         if self.writer is None:  # bases only: durability starts at the state we start from
             self._published_bases.append(iteration)
         if self.config.mode == "lowdiff-plus":
-            self.plus = LowDiffPlus(
+            trace = os.path.join(self.dir, "trace", f"{self.identity.dirname()}.json")
+            self.strategy = LowDiffPlusStrategy(
                 self.optimizer,
                 self.model_chunks,
                 self.config.max_pending,
                 self.writer,
                 self.rng_tracker,
+                trace_path=trace,
             )
-            self.plus.start(iteration)
-            return
-        optimizer_step.attach(self.optimizer, self._on_ready_grads)
-
-    def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
-        now = time.perf_counter()
-        if self._step_start is None:
-            self._step_start = now
-        self.capture.on_ready_grads(inner_index, torch_optimizer)
-        self._capture_s += time.perf_counter() - now
+        else:
+            self.strategy = LowDiffStrategy(self.optimizer, self.writer, self.rng_tracker)
+        self.strategy.start(iteration)
 
     def end_iteration(
         self,
@@ -306,33 +303,22 @@ class DiffCheckpointManager:
         consumed_samples: int,
         train_seconds: float | None = None,
     ) -> None:
-        """Hand ``iteration``'s differential to the background writer. All ranks.
+        """Hand ``iteration``'s differential to the background. All ranks.
 
         ``train_seconds``, the iteration's forward, backward and optimizer step, feeds the
         auto-tuner; with it on, every ``--diffckpt-retune-interval`` iterations this is also a
         collective that agrees on a new F and B.
         """
-        start = time.perf_counter()
-        if self.plus is not None:
-            self.last_diff_seconds = self.plus.end_iteration(
-                iteration, scheduler_steps, consumed_samples
-            )
-            return
-        step_s = start - self._step_start if self._step_start is not None else 0.0
-        record = self.capture.take_record(
-            iteration, scheduler_steps, consumed_samples, self.rng_tracker
-        )
-        self.writer.append(record)
-        capture_s = self._capture_s  # inside train_seconds (the optimizer step)
-        diff_s = capture_s + time.perf_counter() - start
-        self.last_diff_seconds = diff_s
-        self._step_start, self._capture_s = None, 0.0
+        cost = self.strategy.end_iteration(iteration, scheduler_steps, consumed_samples)
+        self.last_diff_seconds = cost.path_s
         if self.tuner is None:
             return
         for sample in self.writer.take_samples():
             self.tuner.observe_write(sample.records, sample.nbytes, sample.write_s, sample.sync_s)
         if train_seconds is not None:
-            self.tuner.observe_iteration(max(train_seconds - capture_s, 1e-9), diff_s, step_s)
+            self.tuner.observe_iteration(
+                max(train_seconds - cost.inside_step_s, 1e-9), cost.path_s, cost.since_step_s
+            )
         if iteration % self.config.retune_interval == 0:
             self._retune(iteration)
 
@@ -368,10 +354,21 @@ class DiffCheckpointManager:
             return iteration % self.full_interval == 0
         return iteration - self._last_base >= self.full_interval
 
+    def save_base(self, iteration: int, save: SaveBase) -> float:
+        """Write a base of ``iteration`` through the training loop's ``save`` function (its
+        protocol: :mod:`megatron_diffckpt.strategy`), from the training state (LowDiff) or from
+        the host replica (LowDiff+, written in the background). Returns the seconds training was
+        blocked. All ranks, collectively."""
+        blocked = self.strategy.save_base(iteration, save)
+        self.on_base_saved(iteration, blocked)
+        return blocked
+
     def on_base_saved(self, iteration: int, blocked_s: float) -> None:
         """A base of ``iteration`` was started; training was blocked ``blocked_s``. All ranks.
 
-        A synchronous save is published before this call, an asynchronous one after.
+        :meth:`save_base` calls it; a loop that saves without it (Megatron-LM's, which decides
+        by itself when to save) calls it after its save. A synchronous save is published before
+        this call, an asynchronous one after.
         """
         self._last_base = iteration
         self._base_saved = (iteration, time.perf_counter() - blocked_s, blocked_s)
@@ -403,17 +400,6 @@ class DiffCheckpointManager:
             retention.prune_bases(self.save_dir, keep)
         retention.prune_diff_log(self.save_dir, self.rank_dir, keep)
 
-    def persist_replica(self, iteration: int, plan: PlanBase) -> float:
-        """LowDiff+: write the host replica at ``iteration`` as a base, in the background.
-
-        ``plan(optimizer_view, model_params)`` builds the stock checkpoint of the replica and
-        returns ``(write, finalize)`` (see :mod:`megatron_diffckpt.plus`). Returns the seconds
-        training was blocked. All ranks, collectively.
-        """
-        blocked = self.plus.persist_base(iteration, plan)
-        self.on_base_saved(iteration, blocked)
-        return blocked
-
     @property
     def durable_iteration(self) -> int:
         if self.writer is not None:
@@ -426,9 +412,8 @@ class DiffCheckpointManager:
         ``diff_ms``: the last differential's (or LowDiff+ hand-off's) time on the training path;
         ``bytes_per_iteration``: diff-log bytes per record written so far; ``recoverable_lag``:
         iterations between now and the newest durable state; ``writer_backlog``: segments waiting
-        for the writer; with LowDiff+ also ``merge_backlog`` (iterations the replica is behind),
-        ``slot_wait_ms`` (training's waits for a snapshot slot, cumulative) and
-        ``copies_in_bubbles`` (share of recent snapshot copy time inside pipeline bubbles).
+        for the writer; and the strategy's own (LowDiff+: ``merge_backlog``, ``slot_wait_ms``,
+        ``copies_in_bubbles``; see its ``metrics``).
         """
         out = {
             "diff_ms": self.last_diff_seconds * 1000.0,
@@ -439,19 +424,24 @@ class DiffCheckpointManager:
             stats = self.writer.stats
             out["bytes_per_iteration"] = stats.bytes_written / max(stats.records, 1)
             out["writer_backlog"] = float(self.writer.backlog)
-        if self.plus is not None:
-            plus = self.plus.stats()
-            out["merge_backlog"] = float(plus["merge_backlog"])
-            out["slot_wait_ms"] = plus["slot_wait_seconds"] * 1000.0
-            out["copies_in_bubbles"] = plus["share_in_bubbles"]
+        if self.strategy is not None:
+            out.update(self.strategy.metrics())
         return out
 
+    def finish_bases(self) -> None:
+        """Wait until every base in flight is published. All ranks, collectively (where the
+        training loop waits for its own asynchronous saves)."""
+        self.strategy.finish_bases()
+
+    def replica_view(self) -> Any | None:
+        """LowDiff+: the optimizer seen through the host replica (read only); else ``None``."""
+        return self.strategy.replica_view() if self.strategy is not None else None
+
     def close(self) -> None:
-        """Write what is pending and stop. All ranks."""
-        if self.plus is not None:
-            self.plus.close()
-            trace = os.path.join(self.dir, "trace", f"{self.identity.dirname()}.json")
-            self.plus.write_trace(trace)
-        optimizer_step.detach(self.optimizer)
+        """Finish what is in flight (a pending base included), write what is pending, and
+        stop. All ranks."""
+        if self.strategy is not None:
+            self.strategy.close()
+            self.strategy = None
         if self.writer is not None:
             self.writer.close()

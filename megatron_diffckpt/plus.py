@@ -1,7 +1,9 @@
 """LowDiff+ on one rank: snapshots, merger and base persistence, wired to megatron's hooks.
 
-The :class:`~megatron_diffckpt.manager.DiffCheckpointManager` owns one :class:`LowDiffPlus` in
-``--diffckpt-mode lowdiff-plus`` and forwards its calls; this module holds the order of things:
+The :class:`~megatron_diffckpt.manager.DiffCheckpointManager` owns one
+:class:`LowDiffPlusStrategy` in ``--diffckpt-mode lowdiff-plus`` (the
+:class:`~megatron_diffckpt.strategy.PerIterationStrategy` of training without compression);
+this module holds the order of things:
 
 1. backward pass: each bucket's reduced shard -> host slot (:mod:`~megatron_diffckpt.snapshot`,
    hooked by :mod:`~megatron_diffckpt.patches.bucket_snapshot`; bubbles with PP > 1 by
@@ -11,11 +13,12 @@ The :class:`~megatron_diffckpt.manager.DiffCheckpointManager` owns one :class:`L
 3. end of iteration: the slot and those scalars go to the :class:`ReplicaMerger` thread, which
    steps the host replica (and appends the exact step input to the diff log);
 4. base due: once the replica holds the iteration, the training thread copies it into a persist
-   buffer (a host memcpy; the merger goes on with the next iterations) and megatron plans a stock
-   dist checkpoint of the copy (a collective); a persister thread writes it, and once every rank
-   has written, the training thread finalizes it (metadata last) and publishes it.
+   buffer (a host memcpy; the merger goes on with the next iterations) and the training loop's
+   save function plans a stock dist checkpoint of the copy (a collective; see
+   :mod:`megatron_diffckpt.strategy` for its protocol); a persister thread writes it, and once
+   every rank has written, the training thread finalizes it (metadata last) and publishes it.
 
-Collective rule: :meth:`start`, :meth:`end_iteration`, :meth:`persist_base` and :meth:`close` are
+Collective rule: :meth:`start`, :meth:`end_iteration`, :meth:`save_base` and :meth:`close` are
 called by all ranks together (``end_iteration`` is a collective while a base is being written).
 """
 
@@ -41,25 +44,26 @@ from megatron_diffckpt.merge import (
     host_group_like,
     refresh_replicas,
 )
-from megatron_diffckpt.patches import bucket_snapshot, optimizer_step, pipeline_bubbles
+from megatron_diffckpt.patches import (
+    base_checkpoint,
+    bucket_snapshot,
+    optimizer_step,
+    pipeline_bubbles,
+)
 from megatron_diffckpt.patches.replica_state import ReplicaModelParams, replica_view
 from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
 from megatron_diffckpt.storage.writer import DiffLogWriter
+from megatron_diffckpt.strategy import BaseSource, IterationCost, PerIterationStrategy, SaveBase
 
 logger = logging.getLogger(__name__)
-
-# plan(optimizer_view, model_params) -> (write, finalize): ``write`` runs on the persister thread
-# (reads the persist copy of the replica), ``finalize`` on the training thread, on all ranks
-# together, once every rank has written.
-PlanBase = Callable[[Any, ReplicaModelParams], tuple[Callable[[], None], Callable[[], None]]]
 
 
 def _pipeline_size(model_chunks: list[Any]) -> int:
     return int(getattr(model_chunks[0].config, "pipeline_model_parallel_size", 1) or 1)
 
 
-class LowDiffPlus:
-    """One rank's LowDiff+ machinery. Built by the manager in ``start``.
+class LowDiffPlusStrategy(PerIterationStrategy):
+    """``--diffckpt-mode lowdiff-plus`` on one rank. Built by the manager in ``start``.
 
     Args:
         optimizer: the megatron (distributed) optimizer.
@@ -67,6 +71,7 @@ class LowDiffPlus:
         slots: snapshot slots = the merger's backlog bound (``--diffckpt-max-pending``).
         writer: the diff log, or ``None`` to persist bases only.
         rng_tracker: megatron's RNG tracker (for the differentials' RNG states).
+        trace_path: where :meth:`close` writes the recent iterations' snapshot trace (JSON).
     """
 
     def __init__(
@@ -76,8 +81,14 @@ class LowDiffPlus:
         slots: int,
         writer: DiffLogWriter | None,
         rng_tracker: Any,
+        trace_path: str | None = None,
     ):
+        if not model_chunks:
+            raise ValueError(
+                "LowDiff+ needs the model chunks (DDP modules): its snapshots hook them"
+            )
         self.optimizer = optimizer
+        self.trace_path = trace_path
         self.model_chunks = model_chunks
         self.rng_tracker = rng_tracker
         self.writer = writer
@@ -111,6 +122,8 @@ class LowDiffPlus:
         self._submitted = 0
         self._persist: tuple[int, Future, Callable[[], None]] | None = None
         self.base_stall_seconds = 0.0
+
+    name = "lowdiff-plus"
 
     def start(self, iteration: int) -> None:
         """Anchor the replica to the training state after ``iteration`` and hook megatron."""
@@ -149,11 +162,11 @@ class LowDiffPlus:
         self._inputs.groups.update(step_hyperparameters(inner_index, torch_optimizer))
 
     # ----------------------------------------------------------------- training loop
-    def end_iteration(self, iteration: int, scheduler_steps: int, consumed: int) -> float:
+    def end_iteration(self, iteration: int, scheduler_steps: int, consumed: int) -> IterationCost:
         """Hand ``iteration`` to the merger; finish a base whose writes are done everywhere.
 
-        Returns LowDiff+'s time on the training thread for this iteration (snapshot issue,
-        slot waits, flushes, hand-off; a base's planning is reported by :meth:`persist_base`).
+        The cost is LowDiff+'s time on the training thread for this iteration (snapshot issue,
+        slot waits, flushes, hand-off; a base's planning is reported by :meth:`save_base`).
         """
         start = time.perf_counter()
         slot = self.snapshotter.finish_iteration(iteration)
@@ -162,13 +175,14 @@ class LowDiffPlus:
         self.merger.submit(MergeJob(iteration, slot, inputs, scheduler_steps, consumed, rng))
         self._submitted = iteration
         self._poll_persist(block=False)
-        return self.snapshotter.iteration_path_seconds + time.perf_counter() - start
+        return IterationCost(self.snapshotter.iteration_path_seconds + time.perf_counter() - start)
 
-    def persist_base(self, iteration: int, plan: PlanBase) -> float:
+    def save_base(self, iteration: int, save: SaveBase) -> float:
         """Write the replica at ``iteration`` as a base; returns the seconds training waited.
 
         Waits for the previous base to be published (one in flight), and for the merger to hold
-        ``iteration``; on GPU the replica is first re-anchored from the device state.
+        ``iteration``; on GPU the replica is first re-anchored from the device state. ``save``
+        plans the base in the background form (see :mod:`megatron_diffckpt.strategy`).
         """
         start = time.perf_counter()
         if self._persist is not None:
@@ -182,7 +196,8 @@ class LowDiffPlus:
         if self.device != "cpu":
             self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
         copies = self._snapshot_replica()
-        write, finalize = plan(replica_view(self.optimizer, copies), self.model_params)
+        source = BaseSource(replica_view(self.optimizer, copies), self.model_params, True)
+        write, finalize = base_checkpoint.split_async_request(save(source))
 
         def write_replica():
             lower_priority()
@@ -221,15 +236,23 @@ class LowDiffPlus:
             written_s,
         )
 
-    def stats(self) -> dict[str, float]:
+    def finish_bases(self) -> None:
+        self._poll_persist(block=True)
+
+    def metrics(self) -> dict[str, float]:
+        """``merge_backlog`` (iterations the replica is behind), ``slot_wait_ms`` (training's
+        waits for a snapshot slot, cumulative), ``copies_in_bubbles`` (share of recent snapshot
+        copy time inside pipeline bubbles)."""
         summary = summarize_traces(list(self.snapshotter.traces))
         return {
-            "merge_backlog": self._submitted - self.merger.merged_iteration,
-            "merged_iteration": self.merger.merged_iteration,
-            "slot_wait_seconds": self.snapshotter.slot_wait_seconds,
-            "merge_seconds": self.merger.merge_seconds,
-            "share_in_bubbles": summary["share_in_bubbles"],
+            "merge_backlog": float(self._submitted - self.merger.merged_iteration),
+            "slot_wait_ms": self.snapshotter.slot_wait_seconds * 1000.0,
+            "copies_in_bubbles": summary["share_in_bubbles"],
         }
+
+    def replica_view(self) -> Any:
+        """The training optimizer seen through the replica (read only)."""
+        return replica_view(self.optimizer, self.merger.optimizers)
 
     def write_trace(self, path: str) -> None:
         """The stage's recent iterations (compute, wait and copy intervals) as JSON."""
@@ -255,6 +278,8 @@ class LowDiffPlus:
         self.merger.close()
         self.snapshotter.close()
         self._persister.shutdown(wait=True)
+        if self.trace_path is not None:
+            self.write_trace(self.trace_path)
         summary = summarize_traces(list(self.snapshotter.traces))
         logger.info(
             "LowDiff+: merged through iteration %d; merger busy %.2f s; training waited %.2f s "

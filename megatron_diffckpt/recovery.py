@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt.capture import replay_record, restore_rng
+from megatron_diffckpt.capture import ReplayTarget, replay_record, restore_rng
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.storage.format import (
     DiffRecord,
@@ -43,16 +43,17 @@ def agree_on_iteration(scan: RankLogScan, group: Any = None) -> int:
 
 
 def replay(
-    optimizer: Any, records: list[DiffRecord], rng_tracker: Any, log_every: int = 10
+    targets: list[ReplayTarget], records: list[DiffRecord], rng_tracker: Any, log_every: int = 10
 ) -> DiffRecord | None:
-    """Replay ``records`` in order through ``optimizer``; restore the RNGs of the last one.
+    """Replay ``records`` in order through ``targets`` (the optimizer's inner steps, from
+    ``patches.optimizer_step.replay_targets``); restore the RNGs of the last one.
 
     All ranks, collectively. Returns the last record (its scalars hold the scheduler's step count
     and the consumed samples), or ``None`` when there was nothing to replay.
     """
     start = time.perf_counter()
     for i, record in enumerate(records, 1):
-        replay_record(optimizer, record)
+        replay_record(targets, record)
         if i % log_every == 0 or i == len(records):
             rate = i / max(time.perf_counter() - start, 1e-9)
             logger.info(

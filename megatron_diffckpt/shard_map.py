@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.errors import DiffCkptError
 
 SHARD_MAP_FILE = "shard_map.json"
 SHARD_MAP_FORMAT = "megatron-diffckpt-shard-map-v1"
@@ -33,7 +34,7 @@ MAIN_SUFFIX = ".param"
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
 
-class ShardMapError(ValueError):
+class ShardMapError(DiffCkptError, ValueError):
     """A shard map cannot be built for this optimizer, or a file is not a valid shard map."""
 
 

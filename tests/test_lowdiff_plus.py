@@ -198,7 +198,7 @@ def test_sigkill_while_a_base_is_written_keeps_the_previous_base(tmp_path):
     [
         ("", "needs --use-distributed-optimizer"),
         ("--use-distributed-optimizer --diffckpt-compressor topk", "without gradient compression"),
-        ("--use-distributed-optimizer --async-save", "drop --async-save"),
+        ("--use-distributed-optimizer --ckpt-format torch_dcp", "writes torch_dist bases"),
     ],
 )
 def test_lowdiff_plus_flag_errors(tmp_path, flags, message):

@@ -124,7 +124,7 @@ def test_drift_checks_pass_against_the_checkout():
         f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
         "from megatron_diffckpt import cpu_mode; cpu_mode.enable()\n"
         f"sys.path.append({MEGATRON_LM!r})\n"
-        "from megatron_diffckpt.patches import megatron_training\n"
+        "from megatron_diffckpt.integrations import megatron_lm as megatron_training\n"
         "megatron_training.check_drift(); cpu_mode._training_patches().check_drift()\n"
         "print('drift ok')\n"
     )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from megatron_diffckpt.checkpoint_layout import CheckpointNotFoundError, find_latest_iteration
 from megatron_diffckpt.config import DiffCkptConfig
+from megatron_diffckpt.errors import DiffCkptUsageError
 
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
@@ -201,37 +202,9 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         _check_load_dir(parser, args.load)
     try:
         args.diffckpt = DiffCkptConfig.from_args(args)
-    except ValueError as exc:
+        args.diffckpt.check_launch(args)
+    except DiffCkptUsageError as exc:
         parser.error(str(exc))
-    if args.diffckpt.auto_tune and not args.diffckpt.enabled:
-        parser.error("--diffckpt-auto-tune needs --diffckpt-mode lowdiff")
-    if args.ckpt_format == "torch_dcp" and args.diffckpt.compressor != "none":
-        parser.error(
-            "--ckpt-format torch_dcp does not save the compressed exchange's error-feedback "
-            "residuals; use torch_dist"
-        )
-    if args.diffckpt.enabled:
-        if args.save is None:
-            parser.error(f"--diffckpt-mode {args.diffckpt.mode} needs --save DIR")
-        if args.load is not None and os.path.abspath(args.load) != os.path.abspath(args.save):
-            parser.error(
-                "--diffckpt-mode continues the differential log of --load: use the same folder "
-                f"for --save (got --load {args.load}, --save {args.save})"
-            )
-        if args.ckpt_format != "torch_dist":
-            parser.error(
-                f"--diffckpt-mode {args.diffckpt.mode} writes torch_dist bases; "
-                f"--ckpt-format {args.ckpt_format} is not supported with it"
-            )
-        if args.diffckpt.mode == "lowdiff-plus" and not args.use_distributed_optimizer:
-            parser.error("--diffckpt-mode lowdiff-plus needs --use-distributed-optimizer")
-        if args.diffckpt.mode == "lowdiff-plus" and args.async_save:
-            parser.error(
-                "--diffckpt-mode lowdiff-plus writes its bases in the background already; "
-                "drop --async-save"
-            )
-        if args.diffckpt.full_interval == 0 and args.save_interval is None:
-            parser.error("--diffckpt-mode needs --diffckpt-full-interval or --save-interval")
     args.base_interval = args.diffckpt.full_interval or args.save_interval
     if args.data_path is not None and not os.path.isfile(args.data_path):
         parser.error(f"--data-path {args.data_path}: no such file")

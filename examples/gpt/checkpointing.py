@@ -22,30 +22,19 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_diffckpt.checkpoint_layout import (
     checkpoint_dir,
     find_latest_iteration,
     publish_iteration,
 )
+from megatron_diffckpt.patches.base_checkpoint import load_residuals, residuals_state
+from megatron_diffckpt.strategy import BaseSource, SaveBase
 
 logger = logging.getLogger("pretrain_gpt")
 
 # The distributed optimizer's format: fully parallel save and load, reshardable along DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-# The compressed exchange's error-feedback residuals (local state no gradient can rebuild). The
-# key names the (PP, TP, DP) layout: residuals of another layout cannot be mapped to this one,
-# and a key that the checkpoint lacks is what dist_checkpointing can skip ("unexpected").
-RESIDUALS_KEY = "diffckpt_error_feedback"
-
-
-def _residuals_key() -> str:
-    return (
-        f"{RESIDUALS_KEY}.pp{parallel_state.get_pipeline_model_parallel_world_size()}"
-        f".tp{parallel_state.get_tensor_model_parallel_world_size()}"
-        f".dp{parallel_state.get_data_parallel_world_size()}"
-    )
 
 
 def _rng_state() -> dict:
@@ -82,21 +71,6 @@ def _sharded_rng_state() -> ShardedObject:
     )
 
 
-def _sharded_residuals(residuals) -> ShardedObject:
-    """This rank's error-feedback residuals: one object per (PP, TP, DP) rank, no replicas."""
-    coords = (
-        parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_data_parallel_rank(),
-    )
-    shape = (
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(),
-    )
-    return ShardedObject(_residuals_key(), residuals.state_dict(), shape, coords, replica_id=0)
-
-
 def base_layout(model, optimizer, is_loading: bool = False, model_params=None) -> dict:
     """The model and optimizer part of a checkpoint: ``{"model": ..., "optimizer": ...}``.
 
@@ -125,7 +99,7 @@ def _sharded_state_dict(
     residuals=None,
     model_params=None,
 ) -> dict:
-    extra = {} if residuals is None else {_residuals_key(): _sharded_residuals(residuals)}
+    extra = {} if residuals is None else residuals_state(residuals)
     return {
         **extra,
         **base_layout(model, optimizer, is_loading, model_params),
@@ -158,13 +132,52 @@ class Checkpointer:
         tracker moves forward in :meth:`finalize` once every rank has written its part.
         """
         start = time.perf_counter()
+        request = self._save(
+            BaseSource(optimizer), model, scheduler, iteration, consumed, self.async_save
+        )
+        if request is not None:
+            self._queue.schedule_async_request(request)
+        blocked = time.perf_counter() - start
+        logger.info(
+            "%s checkpoint of iteration %d: training blocked %.1f ms",
+            "async" if request is not None else "sync",
+            iteration,
+            blocked * 1000.0,
+        )
+        return blocked
+
+    def base_saver(self, model, scheduler, iteration: int, consumed: int) -> SaveBase:
+        """The ``save`` function :meth:`DiffCheckpointManager.save_base` calls (its protocol:
+        :mod:`megatron_diffckpt.strategy`): a checkpoint of ``iteration`` with the same keys and
+        layout as :meth:`save`, from the source the strategy gives (the training optimizer, or
+        the LowDiff+ replica's view and host model parameters); scheduler, RNG states and
+        counters are the training loop's, now."""
+
+        def save(source: BaseSource):
+            if not source.background:
+                self.save(model, source.optimizer, scheduler, iteration, consumed)
+                return None
+            return self._save(source, model, scheduler, iteration, consumed, True)
+
+        return save
+
+    def _save(self, source: BaseSource, model, scheduler, iteration, consumed, in_background):
+        """Plan (and, synchronously, write and publish) a checkpoint; returns the unscheduled
+        request of an asynchronous one, whose finalize step publishes it."""
         state = _sharded_state_dict(
-            model, optimizer, scheduler, iteration, consumed, False, self.residuals
+            model,
+            source.optimizer,
+            scheduler,
+            iteration,
+            consumed,
+            False,
+            self.residuals,
+            source.model_params,
         )
         request = dist_checkpointing.save(
             state,
             self._make_dir(iteration),
-            async_sharded_save=self.async_save,
+            async_sharded_save=in_background,
             content_metadata=OPTIMIZER_METADATA,
         )
 
@@ -176,15 +189,7 @@ class Checkpointer:
             publish()
         else:
             request.add_finalize_fn(publish)
-            self._queue.schedule_async_request(request)
-        blocked = time.perf_counter() - start
-        logger.info(
-            "%s checkpoint of iteration %d: training blocked %.1f ms",
-            "async" if request is not None else "sync",
-            iteration,
-            blocked * 1000.0,
-        )
-        return blocked
+        return request
 
     def _make_dir(self, iteration: int) -> str:
         ckpt = checkpoint_dir(self.save_dir, iteration)
@@ -201,41 +206,6 @@ class Checkpointer:
         if self.on_published is not None:
             torch.distributed.barrier()  # every rank sees the new tracker
             self.on_published(iteration)
-
-    def plan_replica(self, model, scheduler, iteration: int, consumed: int):
-        """LowDiff+: a ``plan`` for :meth:`DiffCheckpointManager.persist_replica`.
-
-        The returned function, given the optimizer's replica view and the replica's model
-        parameters, plans a stock checkpoint of ``iteration`` on the training thread (the same
-        keys and layout as :meth:`save`; scheduler, RNG states and counters are the training
-        loop's, now) and returns ``(write, finalize)``: ``write`` (the persister thread) writes this
-        rank's files from the replica; ``finalize`` (all ranks) writes the metadata last and
-        publishes the checkpoint.
-        """
-
-        def plan(optimizer_view, model_params):
-            state = _sharded_state_dict(
-                model, optimizer_view, scheduler, iteration, consumed, False, None, model_params
-            )
-            request = dist_checkpointing.save(
-                state,
-                self._make_dir(iteration),
-                async_sharded_save=True,
-                content_metadata=OPTIMIZER_METADATA,
-            )
-
-            def write():
-                if request.async_fn is not None:
-                    request.async_fn(*request.async_fn_args, **request.async_fn_kwargs)
-
-            def finalize():
-                for fn in request.finalize_fns:
-                    fn()
-                self._publish(iteration)
-
-            return write, finalize
-
-        return plan
 
     def finalize(self, blocking: bool = False) -> None:
         """Publish finished async saves. All ranks, collectively (each call is a collective)."""
@@ -261,25 +231,10 @@ class Checkpointer:
         iteration = find_latest_iteration(load_dir)
         ckpt = checkpoint_dir(load_dir, iteration)
         start = time.perf_counter()
-        template = _sharded_state_dict(model, optimizer, scheduler, 0, 0, True, residuals)
-        if residuals is None:
-            state = dist_checkpointing.load(template, ckpt)
-        else:
-            # Only the residuals may be absent (a checkpoint of uncompressed training, or of
-            # another layout): a missing key anywhere else is an error.
-            state, unexpected, _ = dist_checkpointing.load(
-                template, ckpt, strict=StrictHandling.RETURN_UNEXPECTED
-            )
-            other = {k for k in unexpected if not k.startswith(RESIDUALS_KEY)}
-            if other:
-                raise RuntimeError(f"{ckpt} lacks {sorted(other)[:5]}")
-            if _residuals_key() in state:
-                residuals.load_state_dict(state[_residuals_key()])
-            else:
-                logger.warning(
-                    "%s holds no error-feedback residuals for this layout: they start from zero",
-                    ckpt,
-                )
+        template = _sharded_state_dict(model, optimizer, scheduler, 0, 0, True)
+        state = dist_checkpointing.load(template, ckpt)
+        if residuals is not None:
+            load_residuals(ckpt, residuals)
         model.module.load_state_dict(state["model"])
         with torch.no_grad():  # the fp32 dp_reshardable optimizer state is copied in place
             optimizer.load_state_dict(state["optimizer"])

@@ -157,14 +157,11 @@ def build_model_and_optimizer(args):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    exchange = None
-    if args.diffckpt.compressor == "topk":
-        from megatron_diffckpt.compression import TopKCompressor
-        from megatron_diffckpt.exchange import SparseAllReduce
-        from megatron_diffckpt.patches import grad_sync
+    from megatron_diffckpt.patches import grad_sync
 
-        exchange = SparseAllReduce(TopKCompressor(args.diffckpt.topk_ratio))
-        grad_sync.attach([model], exchange)
+    exchange = grad_sync.attach_compressor(
+        [model], args.diffckpt.compressor, args.diffckpt.topk_ratio
+    )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -436,14 +433,13 @@ def main(argv=None) -> int:
             due = args.base_interval is not None and iteration % args.base_interval == 0
         if args.save is not None and (due or stop or iteration == args.train_iters):
             with observer.timer("save-checkpoint"):
-                if manager is not None and manager.plus is not None:
-                    plan = checkpointer.plan_replica(model, scheduler, iteration, consumed)
-                    interval["ckpt"] += manager.persist_replica(iteration, plan)
+                if manager is not None:
+                    save = checkpointer.base_saver(model, scheduler, iteration, consumed)
+                    interval["ckpt"] += manager.save_base(iteration, save)
                 else:
-                    blocked = checkpointer.save(model, optimizer, scheduler, iteration, consumed)
-                    interval["ckpt"] += blocked
-                    if manager is not None:
-                        manager.on_base_saved(iteration, blocked)
+                    interval["ckpt"] += checkpointer.save(
+                        model, optimizer, scheduler, iteration, consumed
+                    )
         interval["time"] += time.perf_counter() - start
         interval["loss"] += loss_value
         interval["iters"] += 1
@@ -486,17 +482,16 @@ def main(argv=None) -> int:
                 "exiting at iteration %d (--exit-interval %d)", iteration, args.exit_interval
             )
             break
+    replica = None
     if manager is not None:
+        replica = manager.replica_view()  # LowDiff+: complete once close() merged everything
         manager.close()
     checkpointer.close()
     observer.close()
     if args.dump_state:
         dump_state(args.dump_state, model, optimizer, losses)
-        if manager is not None and manager.plus is not None:
-            from megatron_diffckpt.patches.replica_state import replica_view
-
-            view = replica_view(optimizer, manager.plus.merger.optimizers)
-            dump_state(os.path.join(args.dump_state, "replica"), model, view, losses)
+        if replica is not None:
+            dump_state(os.path.join(args.dump_state, "replica"), model, replica, losses)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

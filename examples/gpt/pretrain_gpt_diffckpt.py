@@ -3,8 +3,10 @@
 Runs Megatron-LM's ``pretrain()`` (``megatron.training``) with Megatron-LM's GPT model provider,
 forward step and datasets, exactly as its ``pretrain_gpt.py`` does, plus the ``--diffckpt-*``
 flags (through Megatron-LM's ``extra_args_provider``) and the hooks of
-:mod:`megatron_diffckpt.patches.megatron_training` (which wrap, never copy, its save, load and
-training step). Every Megatron-LM flag works as usual::
+:mod:`megatron_diffckpt.integrations.megatron_lm` (which wrap, never copy, its save, load and
+training step). Both systems run here: ``--diffckpt-mode lowdiff`` (with
+``--diffckpt-compressor topk`` for compressed training) and ``--diffckpt-mode lowdiff-plus``.
+Every Megatron-LM flag works as usual::
 
     MEGATRON_LM=/path/to/Megatron-LM torchrun --nproc-per-node 8 \\
         examples/gpt/pretrain_gpt_diffckpt.py <Megatron-LM's GPT flags> \\
@@ -83,7 +85,8 @@ def main() -> None:
     sys.path.append(checkout)
     from importlib.metadata import version
 
-    from megatron_diffckpt.patches import megatron_training, torch_adam_state
+    from megatron_diffckpt.integrations import megatron_lm
+    from megatron_diffckpt.patches import torch_adam_state
 
     installed, carried = version("megatron-core"), checkout_version(checkout)
     if carried is not None and carried != installed:
@@ -93,12 +96,12 @@ def main() -> None:
             checkout,
             carried,
             installed,
-            ", ".join(megatron_training.TESTED_MEGATRON_LM_VERSIONS),
+            ", ".join(megatron_lm.TESTED_MEGATRON_LM_VERSIONS),
         )
     if cpu:
         cpu_mode.enable_training()
     torch_adam_state.apply()  # a no-op with transformer-engine's or apex's Adam
-    megatron_training.apply()
+    megatron_lm.apply()
 
     # Megatron-LM's pretrain_gpt.py, by path (this folder has a pretrain_gpt.py of its own).
     spec = importlib.util.spec_from_file_location(
@@ -111,11 +114,11 @@ def main() -> None:
 
     mlm.train_valid_test_datasets_provider.is_distributed = True
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    extra = megatron_training.add_arguments
+    extra = megatron_lm.add_arguments
     if mlm.has_nvidia_modelopt:
 
         def extra(parser):
-            return megatron_training.add_arguments(mlm.add_modelopt_args(parser))
+            return megatron_lm.add_arguments(mlm.add_modelopt_args(parser))
 
     try:
         run(
@@ -128,8 +131,13 @@ def main() -> None:
             store=store,
             get_embedding_ranks=mlm.get_embedding_ranks,
         )
-    finally:
-        megatron_training.RUN.close()
+    except SystemExit as stop:  # Megatron-LM's exit conditions (--exit-interval, signals)
+        if stop.code in (None, 0):
+            megatron_lm.RUN.close()
+        raise
+    # On an error, a rank does not close: closing may be collective, and the other ranks may
+    # never get there. What is durable stays durable; the writer's pending batch is lost.
+    megatron_lm.RUN.close()
 
 
 if __name__ == "__main__":

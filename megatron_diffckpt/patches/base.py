@@ -13,12 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_diffckpt.errors import DiffCkptUsageError
+
 # The megatron-core releases the patches were written and tested against. Keep in step with the
 # pin in requirements/cpu.txt (tests/test_drift.py checks both).
 TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
 
 
-class MegatronDriftError(RuntimeError):
+class MegatronDriftError(DiffCkptUsageError, RuntimeError):
     """The installed megatron-core does not have the function a patch was written for."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_diffckpt.compression import TopKCompressor
 from megatron_diffckpt.exchange import SparseAllReduce
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
 
@@ -86,6 +87,18 @@ def attach(model_chunks: list[Any], exchange: SparseAllReduce) -> None:
             keys = [f"c{c}.g{g}.b{j}" for j in range(len(group.buckets))]
             setattr(group, _ATTACHED, exchange)
             group.start_grad_sync = _make_start_grad_sync(group, exchange, keys)
+
+
+def attach_compressor(
+    model_chunks: list[Any], compressor: str, topk_ratio: float
+) -> SparseAllReduce | None:
+    """The exchange ``--diffckpt-compressor`` asks for, attached to ``model_chunks``; ``None``
+    (megatron's dense reduction) for ``none``. Any rank; both training entries use it."""
+    if compressor == "none":
+        return None
+    exchange = SparseAllReduce(TopKCompressor(topk_ratio))
+    attach(model_chunks, exchange)
+    return exchange
 
 
 def detach(model_chunks: list[Any]) -> None:

@@ -77,6 +77,17 @@ def detach(optimizer: Any) -> None:
             delattr(inner, _ORIGINAL)
 
 
+def replay_targets(optimizer: Any) -> list[tuple[int, Any, Callable[[], bool]]]:
+    """``(index, torch optimizer, step)`` of every inner optimizer that owns state, where
+    ``step`` runs its ``step_with_ready_grads`` without capturing it: what replay feeds
+    (:func:`megatron_diffckpt.capture.replay_record`). Any rank."""
+    return [
+        (index, inner.optimizer, lambda inner=inner: step_without_hook(inner))
+        for index, inner in enumerate(inner_optimizers(optimizer))
+        if not getattr(inner, "is_stub_optimizer", False)
+    ]
+
+
 def step_without_hook(inner: Any) -> bool:
     """Run one inner optimizer's ``step_with_ready_grads`` without capturing it (replay).
 

@@ -36,6 +36,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from megatron_diffckpt.errors import DiffCkptError
+
 MAGIC = b"DIFFSEG\0"
 RECORD_MAGIC = b"REC\0"
 FORMAT_VERSION = 1
@@ -60,7 +62,7 @@ _DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-class DiffLogFormatError(ValueError):
+class DiffLogFormatError(DiffCkptError, ValueError):
     """A segment is damaged, truncated, of an unknown version, or not a segment at all."""
 
 

@@ -1,34 +1,44 @@
-"""Hook points of Megatron-LM's training loop (``megatron.training``): differential checkpointing
-inside Megatron-LM's own ``pretrain()``, with nothing changed but the ``--diffckpt-*`` flags.
+"""Megatron-LM's own training loop (``megatron.training``) with differential checkpointing:
+both systems inside Megatron-LM's ``pretrain()``, with nothing changed but the ``--diffckpt-*``
+flags.
 
 Megatron-LM is not a package on the registries: it comes from a checkout (written against and
 checked with the versions in :data:`TESTED_MEGATRON_LM_VERSIONS`). Every hook wraps a module
-global that Megatron-LM's code looks up at call time, and calls the original:
+global that Megatron-LM's code looks up at call time, and calls the original; all of them talk
+to the :class:`~megatron_diffckpt.manager.DiffCheckpointManager` through its public interface:
 
 1. ``training.setup_model_and_optimizer``: after the model, the optimizer and the scheduler exist
-   and ``--load`` has loaded the newest base, the :class:`DiffCheckpointManager` is created, the
-   differentials every rank holds after the base are replayed (the scheduler's step and the
-   consumed samples follow them, so the data iterators, built next, resume at the recovered
-   iteration; the RNG states are set again at the first ``train_step``, after building the data
-   iterators drew from torch's generator), and capture starts.
-2. ``training.train_step``: the optimizer step's input was captured inside it (the
-   :mod:`~megatron_diffckpt.patches.optimizer_step` hook); after it, the iteration's differential
-   is handed to the writer (timed by Megatron-LM's timers as ``diffckpt-diff``), and once, the
-   rank's shard map is written (``megatron-diffckpt merge``). Every ``--log-interval``, the
-   timer (min/max across ranks) and the manager's metrics (recoverable lag, diff bytes per
-   iteration, writer backlog) are logged, and written to Megatron-LM's TensorBoard writer when
-   it has one. With ``--diffckpt-auto-tune``, ``--save-interval`` follows the tuned F.
-3. ``training.save_checkpoint`` (what ``save_checkpoint_and_time`` and ``pretrain`` call) and
-   ``checkpointing.schedule_async_save``: the manager learns that a base was saved and, once its
-   tracker moved (at once for a synchronous save, in the asynchronous save's finalize step),
-   that it is published, so the diff log rebases and retention applies.
-4. ``megatron.core.datasets.utils.compile_helpers``: skipped when the compiled helpers import
+   and ``--load`` has loaded the newest base: the compressed exchange is attached to Megatron-LM's
+   DDP modules (``--diffckpt-compressor topk``; its error-feedback residuals are loaded from the
+   base), the manager is created, the differentials every rank holds after the base are replayed
+   (the scheduler's step and the consumed samples follow them, so the data iterators, built next,
+   resume at the recovered iteration; the RNG states are set again at the first ``train_step``,
+   after building the data iterators drew from torch's generator), and capture starts
+   (LowDiff: the optimizer-step hook; LowDiff+: bucket snapshots, pipeline bubbles, the replica).
+2. ``training.train_step``: after it, the iteration's differential is handed off (timed by
+   Megatron-LM's timers as ``diffckpt-diff``), and once, the rank's shard map is written
+   (``megatron-diffckpt merge``). Every ``--log-interval``, the timer (min/max across ranks) and
+   the manager's metrics are logged, and written to Megatron-LM's TensorBoard writer when it has
+   one. With ``--diffckpt-auto-tune``, ``--save-interval`` follows the tuned F.
+3. ``training.save_checkpoint`` (what ``save_checkpoint_and_time`` and ``pretrain`` call): a base
+   goes through :meth:`DiffCheckpointManager.save_base`. LowDiff: Megatron-LM's save as the user
+   configured it (sync or ``--async-save``). LowDiff+: Megatron-LM's own save path plans an
+   asynchronous save of the replica (its optimizer view, and the model wrapped so that its
+   sharded state dict holds the replica's host parameters), whose request
+   ``checkpointing.schedule_async_save`` hands back instead of queueing; the LowDiff+ persister
+   writes it, and Megatron-LM's own finalize functions (metadata, tracker) publish it.
+4. ``checkpointing.generate_state_dict``: while a base is saved, the residuals of the compressed
+   exchange join Megatron-LM's state dict.
+5. ``checkpointing.schedule_async_save``: an asynchronous base tells the manager when it is
+   published (its finalize step, after Megatron-LM's tracker update).
+6. ``training.maybe_finalize_async_save``: where Megatron-LM waits for its own saves (blocking,
+   at the end of training), bases in flight are published too.
+7. ``megatron.core.datasets.utils.compile_helpers``: skipped when the compiled helpers import
    (megatron-core wheels ship them, without the Makefile that Megatron-LM's start-up runs).
 
-Supported here: ``--diffckpt-mode lowdiff`` with dense differentials (megatron's own gradient
-reduction), stock ``torch_dist`` bases, TP, PP, DP, the distributed optimizer or not. Refused,
-with the flag to change: LowDiff+ and the top-k exchange (they run with
-``examples/gpt/pretrain_gpt.py``), context or expert parallelism, ``--iterations-to-skip``.
+Refused, with the flag to change (:meth:`DiffCkptConfig.check_launch`): context or expert
+parallelism, ``--iterations-to-skip``, LowDiff+ without the distributed optimizer, with fp16
+loss scaling or with ``--dist-ckpt-optim-fully-reshardable``.
 """
 
 from __future__ import annotations
@@ -44,9 +54,13 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.capture import capture_rng, restore_rng
+from megatron_diffckpt.checkpoint_layout import checkpoint_dir
 from megatron_diffckpt.config import DiffCkptConfig
+from megatron_diffckpt.errors import DiffCkptUsageError
+from megatron_diffckpt.patches import base_checkpoint, grad_sync
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
 from megatron_diffckpt.storage.format import DiffRecord
+from megatron_diffckpt.strategy import BaseSource
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +80,24 @@ _SAVE_SIGNATURE = (
 )
 
 
-class MegatronLMIntegrationError(ValueError):
+class MegatronLMIntegrationError(DiffCkptUsageError):
     """A Megatron-LM run asks for something the integration does not support (says what to do)."""
+
+
+class _ReplicaModule:
+    """A model chunk whose ``sharded_state_dict`` holds the LowDiff+ replica's host parameters
+    (``model_params.substitute``); everything else is the chunk's own. Read only: what
+    Megatron-LM's save path builds a base from."""
+
+    def __init__(self, module: Any, model_params: Any):
+        self._module = module
+        self._model_params = model_params
+
+    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        return self._model_params.substitute(self._module.sharded_state_dict(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 class _Run:
@@ -76,14 +106,17 @@ class _Run:
     def __init__(self) -> None:
         self.config: DiffCkptConfig | None = None
         self.manager: Any = None
+        self.exchange: Any = None  # the compressed exchange (--diffckpt-compressor topk)
         self.model: list[Any] = []
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.saving: int | None = None  # the iteration of the base being saved
+        self.capture_request = False  # LowDiff+: hand the AsyncRequest back, do not queue it
+        self.captured: Any = None
         self.recovered_rng: Any = None  # RNG states at the recovered iteration, until step 1
 
     def begin(self, model: list[Any], optimizer: Any, scheduler: Any, setup_s: float) -> None:
-        """After setup_model_and_optimizer: manager, recovery, start. All ranks."""
+        """After setup_model_and_optimizer: exchange, manager, recovery, start. All ranks."""
         from megatron.core import parallel_state as mpu
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
         from megatron.training import get_args
@@ -93,10 +126,21 @@ class _Run:
 
         args = get_args()
         self.config = DiffCkptConfig.from_args(args)
+        try:
+            self.config.check_launch(args)
+        except DiffCkptUsageError as exc:
+            raise MegatronLMIntegrationError(str(exc)) from None
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.exchange = grad_sync.attach_compressor(
+            model, self.config.compressor, self.config.topk_ratio
+        )
+        loaded = args.load is not None and args.iteration > 0
+        if self.exchange is not None and loaded:
+            base_checkpoint.load_residuals(
+                checkpoint_dir(args.load, args.iteration), self.exchange.residuals
+            )
         if not self.config.enabled:
             return
-        _refuse_unsupported(args, self.config)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         coords = (
             mpu.get_tensor_model_parallel_rank(),
             mpu.get_pipeline_model_parallel_rank(),
@@ -105,7 +149,7 @@ class _Run:
         self.manager = DiffCheckpointManager(
             self.config, args.save, optimizer, get_cuda_rng_tracker(), coords, model
         )
-        if args.load is not None and args.iteration > 0:
+        if loaded:
             base = args.iteration
             iteration, steps, consumed = self.manager.recover(base, base_load_s=setup_s)
             if steps is not None:
@@ -120,6 +164,8 @@ class _Run:
                 # seed from torch's generator: the RNG states go back at the first train_step.
                 self.recovered_rng = DiffRecord(iteration, *capture_rng(get_cuda_rng_tracker()))
             logger.info("recovered to iteration %d (base %d)", iteration, base)
+        if self.config.full_interval:  # Megatron-LM saves at multiples of --save-interval
+            args.save_interval = self.config.full_interval
         self.manager.start(args.iteration, args.save_interval or 0)
 
     def after_step(self, train_s: float) -> None:
@@ -184,41 +230,58 @@ class _Run:
             for key, value in metrics.items():
                 writer.add_scalar(f"diffckpt/{key}", value, iteration)
 
+    def save_base(self, original: Callable, bound: inspect.BoundArguments) -> None:
+        """A base of Megatron-LM's ``save_checkpoint(**bound)`` through the manager. All ranks."""
+        from megatron.training import get_args
+
+        from megatron_diffckpt.manager import DiffCheckpointManager
+
+        args = get_args()
+        iteration = int(bound.arguments["iteration"])
+        manager: DiffCheckpointManager = self.manager
+
+        def save(source: BaseSource) -> Any:
+            if not source.background:
+                original(*bound.args, **bound.kwargs)
+                if not args.async_save:  # rank 0 moved the tracker before the save's barrier
+                    manager.on_base_published(iteration)
+                return None
+            from megatron.training.utils import unwrap_model
+
+            replica = bound.arguments.copy()
+            replica["optimizer"] = source.optimizer
+            replica["model"] = [
+                _ReplicaModule(m, source.model_params)
+                for m in unwrap_model(bound.arguments["model"])
+            ]
+            async_save, args.async_save = args.async_save, True
+            self.capture_request, self.captured = True, None
+            try:
+                original(**replica)
+            finally:
+                args.async_save = async_save
+                self.capture_request = False
+            request, self.captured = self.captured, None
+            return request
+
+        self.saving = iteration
+        try:
+            manager.save_base(iteration, save)
+        finally:
+            self.saving = None
+
     def close(self) -> None:
-        """Write what is pending and stop. All ranks, after pretrain() returned."""
+        """Publish bases in flight, write what is pending and stop. All ranks, after pretrain()
+        returned."""
         if self.manager is not None:
             self.manager.close()
             self.manager = None
+        if self.exchange is not None:
+            grad_sync.detach(self.model)
+            self.exchange = None
 
 
 RUN = _Run()
-
-
-def _refuse_unsupported(args: Any, config: DiffCkptConfig) -> None:
-    problems = []
-    if config.mode != "lowdiff":
-        problems.append(
-            f"--diffckpt-mode {config.mode}: the Megatron-LM integration runs lowdiff; LowDiff+ "
-            "runs with examples/gpt/pretrain_gpt.py"
-        )
-    if config.compressor != "none":
-        problems.append(
-            "--diffckpt-compressor topk: the compressed exchange runs with "
-            "examples/gpt/pretrain_gpt.py; here differentials are dense"
-        )
-    if not args.save:
-        problems.append("--diffckpt-mode needs --save (the diff log lives beside the bases)")
-    if args.ckpt_format != "torch_dist":
-        problems.append(f"--ckpt-format {args.ckpt_format}: bases must be torch_dist")
-    if (
-        getattr(args, "context_parallel_size", 1) > 1
-        or getattr(args, "expert_model_parallel_size", 1) > 1
-    ):
-        problems.append("context or expert parallelism is not supported yet")
-    if getattr(args, "iterations_to_skip", None):
-        problems.append("--iterations-to-skip leaves gaps that no differential can fill")
-    if problems:
-        raise MegatronLMIntegrationError("; ".join(problems))
 
 
 def _setup_wrapper(original: Callable) -> Callable:
@@ -257,25 +320,29 @@ def _save_wrapper(original: Callable) -> Callable:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        manager = RUN.manager
-        if manager is None or a["non_persistent_ckpt"] or a["release"]:
+        if a["non_persistent_ckpt"] or a["release"]:
             return original(*args, **kwargs)
-        from megatron.training import get_args
-
-        iteration = int(a["iteration"])
-        RUN.saving = iteration
-        start = time.perf_counter()
-        try:
-            out = original(*args, **kwargs)
-        finally:
-            RUN.saving = None
-        blocked = time.perf_counter() - start
-        if not get_args().async_save:  # rank 0 moved the tracker before save_checkpoint's barrier
-            manager.on_base_published(iteration)
-        manager.on_base_saved(iteration, blocked)
-        return out
+        if RUN.manager is None:  # no diff log; the compressed exchange's residuals still go in
+            RUN.saving = int(a["iteration"])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                RUN.saving = None
+        RUN.save_base(original, bound)
+        return None
 
     return save_checkpoint
+
+
+def _generate_state_dict_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def generate_state_dict(*args, **kwargs):
+        state = original(*args, **kwargs)
+        if RUN.saving is not None and RUN.exchange is not None:
+            state.update(base_checkpoint.residuals_state(RUN.exchange.residuals))
+        return state
+
+    return generate_state_dict
 
 
 def _schedule_async_save_wrapper(original: Callable) -> Callable:
@@ -290,9 +357,24 @@ def _schedule_async_save_wrapper(original: Callable) -> Callable:
                 manager.on_base_published(iteration)
 
             async_request.add_finalize_fn(published)
+        if RUN.capture_request:  # a LowDiff+ base: its persister writes it
+            RUN.captured = async_request
+            return None
         return original(async_request)
 
     return schedule_async_save
+
+
+def _finalize_async_save_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def maybe_finalize_async_save(*args, **kwargs):
+        out = original(*args, **kwargs)
+        blocking = kwargs.get("blocking", args[0] if args else False)
+        if blocking and RUN.manager is not None:
+            RUN.manager.finish_bases()
+        return out
+
+    return maybe_finalize_async_save
 
 
 def _compile_helpers_wrapper(original: Callable) -> Callable:
@@ -304,6 +386,11 @@ def _compile_helpers_wrapper(original: Callable) -> Callable:
 
     return compile_helpers
 
+
+_GENERATE_STATE_DICT_SIGNATURE = (
+    "(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None, "
+    "optim_sd_kwargs=None, model_sd_kwargs=None, rerun_state=None)"
+)
 
 PATCHES = PatchSet(
     (
@@ -321,11 +408,6 @@ PATCHES = PatchSet(
             make_wrapper=_train_step_wrapper,
             purpose="hand each iteration's differential to the diff log",
             requires=(
-                (
-                    f"{_C}:generate_state_dict",
-                    "(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None, "
-                    "optim_sd_kwargs=None, model_sd_kwargs=None, rerun_state=None)",
-                ),
                 ("megatron.training.utils:unwrap_model", "(model, module_instances=None)"),
                 (
                     f"{_C}:_build_sharded_state_dict_metadata",
@@ -338,14 +420,26 @@ PATCHES = PatchSet(
             target=f"{_T}:save_checkpoint",
             expected_signature=_SAVE_SIGNATURE,
             make_wrapper=_save_wrapper,
-            purpose="tell the diff log that a base was saved and published",
+            purpose="save bases through the manager (LowDiff+: from the replica)",
+        ),
+        MethodPatch(
+            target=f"{_C}:generate_state_dict",
+            expected_signature=_GENERATE_STATE_DICT_SIGNATURE,
+            make_wrapper=_generate_state_dict_wrapper,
+            purpose="save the compressed exchange's error-feedback residuals with every base",
         ),
         MethodPatch(
             target=f"{_C}:schedule_async_save",
             expected_signature="(async_request: megatron.core.dist_checkpointing.strategies."
             "async_utils.AsyncRequest)",
             make_wrapper=_schedule_async_save_wrapper,
-            purpose="learn when an asynchronous base is published",
+            purpose="learn when an asynchronous base is published; write LowDiff+ bases",
+        ),
+        MethodPatch(
+            target=f"{_T}:maybe_finalize_async_save",
+            expected_signature="(blocking: bool = False, terminate=False)",
+            make_wrapper=_finalize_async_save_wrapper,
+            purpose="publish bases in flight where Megatron-LM waits for its saves",
         ),
         MethodPatch(
             target="megatron.core.datasets.utils:compile_helpers",
