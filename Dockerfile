@@ -1,23 +1,36 @@
-# megatron-diffckpt in NVIDIA's NGC PyTorch container: CUDA, torch, transformer-engine and apex
-# come from the image; megatron-core, psutil and this package are installed on top.
+# megatron-diffckpt in NVIDIA's NGC PyTorch container, running Megatron-LM's own pretrain_gpt.py
+# with differential checkpointing. CUDA, torch, transformer-engine, apex and triton come from the
+# image; megatron-core, psutil, Megatron-LM (the checkout of the pinned megatron-core's release)
+# and this package are installed on top.
 #
-# The registry's host name is not written here; pass it when building:
-#   docker build --build-arg NGC_REGISTRY=<NGC registry host> -t megatron-diffckpt .
+#   docker build -t megatron-diffckpt .
+#   docker run --gpus all --ipc=host -v /data:/data megatron-diffckpt <Megatron-LM's GPT flags> \
+#       --save /data/ckpt --load /data/ckpt --save-interval 500 --diffckpt-mode lowdiff-plus
 #
-# Pins: the image tag below, and the pins of requirements/cpu.txt (the project's one place for
-# pins) for the packages the image does not provide (tests/test_pins.py checks that they agree).
-# This file is linted by the test suite (hadolint); it has not been built on the CI machines,
-# which have no container engine.
-ARG NGC_REGISTRY
+# Pins: the image tag and the Megatron-LM commit below, and the pins of requirements/ (the
+# project's one place for package pins) for the packages the image does not provide
+# (tests/test_pins.py checks that they agree). This file is linted by the test suite (hadolint);
+# it has not been built on the CI machines, which have no container engine.
 ARG NGC_PYTORCH_TAG=25.09-py3
-FROM ${NGC_REGISTRY}/nvidia/pytorch:${NGC_PYTORCH_TAG}
+FROM nvcr.io/nvidia/pytorch:${NGC_PYTORCH_TAG}
+
+# Megatron-LM at tag core_v0.16.1 (the release of the pinned megatron-core), by commit.
+ARG MEGATRON_LM_COMMIT=55ac7082517c3878ae653c07c09c534b8aed49f6
+ADD https://github.com/NVIDIA/Megatron-LM/archive/${MEGATRON_LM_COMMIT}.tar.gz /tmp/megatron-lm.tar.gz
+RUN mkdir -p /opt/megatron-lm \
+    && tar -xzf /tmp/megatron-lm.tar.gz --strip-components=1 -C /opt/megatron-lm \
+    && rm /tmp/megatron-lm.tar.gz
+ENV MEGATRON_LM=/opt/megatron-lm
 
 WORKDIR /opt/megatron-diffckpt
 
-# megatron-core and psutil exactly as pinned for the CPU stack; torch, numpy and packaging are the
-# image's own (replacing them would break the image's CUDA builds of transformer-engine and apex).
-COPY requirements/cpu.txt requirements/cpu.txt
+# megatron-core and psutil exactly as pinned for the CPU stack, and what Megatron-LM's training
+# loop imports (requirements/megatron-lm.txt; triton is the image's); torch, numpy and packaging
+# are the image's own (replacing them would break its CUDA builds of transformer-engine and apex).
+COPY requirements/cpu.txt requirements/megatron-lm.txt requirements/
 RUN grep -E '^(megatron-core|psutil)==' requirements/cpu.txt > /tmp/requirements-container.txt \
+    && grep -E '^(six|regex|pyyaml|pydantic)==' requirements/megatron-lm.txt \
+        >> /tmp/requirements-container.txt \
     && pip install --no-cache-dir -r /tmp/requirements-container.txt \
     && rm /tmp/requirements-container.txt
 
@@ -26,7 +39,7 @@ COPY megatron_diffckpt/ megatron_diffckpt/
 RUN pip install --no-cache-dir --no-deps .
 COPY examples/ examples/
 
-# GPT pretraining with differential checkpointing, e.g.:
-#   docker run --gpus all --ipc=host megatron-diffckpt \
-#       torchrun --nproc-per-node 8 examples/gpt/pretrain_gpt.py ... --diffckpt-mode lowdiff-plus
-CMD ["megatron-diffckpt", "--help"]
+# Megatron-LM's pretrain_gpt.py on every GPU of the node; the arguments are its flags plus the
+# --diffckpt-* flags. For several nodes, use examples/gpt/slurm/pretrain_gpt.sbatch.
+ENTRYPOINT ["torchrun", "--nproc-per-node=gpu", "examples/gpt/pretrain_gpt_diffckpt.py"]
+CMD ["--help"]

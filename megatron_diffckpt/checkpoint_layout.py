@@ -31,6 +31,11 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def has_tracker(root: str) -> bool:
+    """Whether ``root`` is a folder with a tracker (a checkpoint was published there once)."""
+    return os.path.isfile(os.path.join(root, TRACKER_FILENAME))
+
+
 def find_latest_iteration(root: str) -> int:
     """The iteration named by ``root``'s tracker, checked to be complete. Any rank.
 

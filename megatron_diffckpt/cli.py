@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass, field, fields
 
 from megatron_diffckpt import retention
-from megatron_diffckpt.base_merge import MergeError, merge_base
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
     TRACKER_FILENAME,
@@ -30,6 +29,7 @@ from megatron_diffckpt.checkpoint_layout import (
 )
 from megatron_diffckpt.config import field_docs
 from megatron_diffckpt.export import ExportError, export_base
+from megatron_diffckpt.offline_merge import MergeError, merge_base
 from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.scale_plan import JobSpec, compare, expected_loss_hours
 from megatron_diffckpt.storage.format import SegmentIdentity
@@ -291,7 +291,7 @@ def _tune(args: argparse.Namespace) -> int:
                     "full_interval": plan.full_interval,
                     "batch_size": plan.batch_size,
                     "overhead": plan.overhead,
-                    "lost_hours": expected_loss_hours(job, plan, hours),
+                    "lost_hours": expected_loss_hours(plan, hours),
                 }
             )
     if args.json:

@@ -60,10 +60,6 @@ class CompressedGrad:
         ):
             raise ValueError(f"indices out of range [0, {self.numel})")
 
-    @property
-    def is_dense(self) -> bool:
-        return self.indices is None
-
     def nbytes(self) -> int:
         """Bytes of the payload (values and indices)."""
         n = self.values.numel() * self.values.element_size()
@@ -77,22 +73,6 @@ class CompressedGrad:
         dense = torch.zeros(self.numel, dtype=dtype, device=self.values.device)
         dense[self.indices.long()] = self.values.to(dtype)
         return dense
-
-    def restrict(self, start: int, end: int) -> CompressedGrad:
-        """The entries in ``[start, end)``, with indices relative to ``start``.
-
-        This is how a rank keeps only its distributed-optimizer shard of an aggregated gradient.
-        """
-        if not 0 <= start <= end <= self.numel:
-            raise ValueError(f"range [{start}, {end}) outside [0, {self.numel}]")
-        if self.indices is None:
-            return CompressedGrad(self.values[start:end].clone(), None, end - start)
-        lo, hi = torch.searchsorted(
-            self.indices, torch.tensor([start, end], dtype=torch.int32)
-        ).tolist()
-        return CompressedGrad(
-            self.values[lo:hi].clone(), (self.indices[lo:hi] - start).to(torch.int32), end - start
-        )
 
 
 class Compressor(Protocol):
@@ -160,19 +140,3 @@ def make_compressor(name: str, ratio: float = 0.01, error_feedback: bool = True)
     if name == "none":
         return IdentityCompressor()
     raise ValueError(f"unknown compressor {name!r}: choose 'topk' or 'none'")
-
-
-def sparse_mean(contributions: list[CompressedGrad], dtype: torch.dtype) -> torch.Tensor:
-    """The dense mean of the ranks' contributions, summed in rank order (deterministic)."""
-    if not contributions:
-        raise ValueError("no contributions")
-    numel = contributions[0].numel
-    total = torch.zeros(numel, dtype=dtype, device=contributions[0].values.device)
-    for c in contributions:
-        if c.numel != numel:
-            raise ValueError(f"contribution of {c.numel} elements, expected {numel}")
-        if c.indices is None:
-            total += c.values.to(dtype)
-        else:
-            total.index_add_(0, c.indices.long(), c.values.to(dtype))
-    return total / len(contributions)

@@ -37,13 +37,6 @@ import torch
 from megatron_diffckpt import recovery
 from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
-from megatron_diffckpt.merge import (
-    MergeJob,
-    ReplicaMerger,
-    StepInputs,
-    host_group_like,
-    refresh_replicas,
-)
 from megatron_diffckpt.patches import (
     base_checkpoint,
     bucket_snapshot,
@@ -51,6 +44,13 @@ from megatron_diffckpt.patches import (
     pipeline_bubbles,
 )
 from megatron_diffckpt.patches.replica_state import ReplicaModelParams, replica_view
+from megatron_diffckpt.replica_merger import (
+    MergeJob,
+    ReplicaMerger,
+    StepInputs,
+    host_group_like,
+    refresh_replicas,
+)
 from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
 from megatron_diffckpt.storage.writer import DiffLogWriter
 from megatron_diffckpt.strategy import BaseSource, IterationCost, PerIterationStrategy, SaveBase

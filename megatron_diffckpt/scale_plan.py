@@ -142,7 +142,7 @@ def compare(job: JobSpec) -> dict[str, Plan]:
     }
 
 
-def expected_loss_hours(job: JobSpec, plan: Plan, train_hours: float) -> float:
+def expected_loss_hours(plan: Plan, train_hours: float) -> float:
     """Wall-clock hours a ``train_hours`` job (of failure-free training) loses to checkpointing
     and failures under ``plan``."""
     return train_hours * plan.overhead

@@ -6,7 +6,7 @@ and rank as ``DIFF_DIR/rank_T_P_D/shard_map.json`` (plain JSON, published atomic
 two: for every optimizer parameter, the slice of the base's flat optimizer tensors that holds its
 main parameter and Adam moments (the distributed optimizer's ``dp_reshardable`` buckets), and the
 slice of the model tensor it is a shard of. With it, ``megatron-diffckpt merge``
-(:mod:`megatron_diffckpt.base_merge`) replays differentials into a base without building a model
+(:mod:`megatron_diffckpt.offline_merge`) replays differentials into a base without building a model
 or importing megatron.
 
 It is built from what megatron itself saves: the rank's sharded state dict, matched to the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from arguments import parse_args
-from launch import run_script
+from launch import TINY_GPT, run_gpt, run_script
 
 
 class _Result:
@@ -46,15 +46,29 @@ def test_abbreviated_flag_is_refused():
     assert "unrecognized arguments" in err or "required: --train-iters" in err
 
 
-def test_load_path_that_does_not_exist(tmp_path):
+def test_load_path_that_does_not_exist_exits_with_exit_on_missing_checkpoint(tmp_path):
     missing = tmp_path / "nope"
-    err = _error(_parse("--train-iters", "2", "--load", str(missing)))
+    err = _error(
+        _parse("--train-iters", "2", "--load", str(missing), "--exit-on-missing-checkpoint")
+    )
     assert f"--load: {missing}: no such directory" in err
 
 
-def test_load_path_without_checkpoint(tmp_path):
-    err = _error(_parse("--train-iters", "2", "--load", str(tmp_path)))
+def test_load_path_without_checkpoint_exits_with_exit_on_missing_checkpoint(tmp_path):
+    err = _error(
+        _parse("--train-iters", "2", "--load", str(tmp_path), "--exit-on-missing-checkpoint")
+    )
     assert "holds no checkpoint" in err and "latest_checkpointed_iteration.txt" in err
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_load_path_without_checkpoint_starts_from_scratch_as_megatron_lm(tmp_path, exists):
+    """Launch scripts that always pass --load rely on it (Megatron-LM's behaviour)."""
+    load = tmp_path / "ckpt"
+    if exists:
+        load.mkdir()
+    args = parse_args(["--train-iters", "2", "--load", str(load), "--save", str(load)])
+    assert args.load_missing is not None and str(load) in args.load_missing
 
 
 def test_load_path_with_incomplete_checkpoint(tmp_path):
@@ -134,3 +148,13 @@ def test_auto_tune_needs_differential_checkpointing():
 def test_diffckpt_values_are_checked_by_flag_name():
     err = _error(_parse("--train-iters", "2", "--diffckpt-mtbf-hours", "0"))
     assert "--diffckpt-mtbf-hours must be > 0" in err
+
+
+@pytest.mark.distributed
+def test_training_with_an_empty_load_folder_starts_from_scratch(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_gpt(2, *TINY_GPT, "--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt),
+                   "--save-interval", "2", "--diffckpt-mode", "lowdiff")  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert "will not load any checkpoint and will start from random" in log
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"

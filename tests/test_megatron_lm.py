@@ -1,15 +1,28 @@
 """Megatron-LM's own GPT pretraining (``megatron.training``) with differential checkpointing.
 
 Needs a Megatron-LM checkout of the installed megatron-core's release in ``MEGATRON_LM`` and the
-packages of ``requirements/megatron-lm.txt``: ``make megatron-lm-test MEGATRON_LM=<checkout>``.
-Without them every test here skips and says so (CI has neither: Megatron-LM is not a package).
+packages of ``requirements/megatron-lm.txt``; ``make test`` (and so CI) finds the shared checkout
+beside the repository, ``make megatron-lm-test`` runs these alone. Without a checkout every test
+here skips and says so.
 
-Megatron-LM's ``pretrain_gpt.py`` runs on 2 CPU processes (gloo, CPU mode). A run is killed
-with SIGKILL after its base at 5; the restart, with ``--load``, replays the differentials and
-trains to 12; its final checkpoint (every tensor of Megatron-LM's own save: model, main
-parameters, Adam moments; its RNG states and optimizer step) must equal an uninterrupted run's,
-``torch.equal``, and so must its losses. The killed run's folder also merges offline into a
-stock base equal to the one the uninterrupted run saved at 8, which stock Megatron-LM resumes.
+Megatron-LM's ``pretrain_gpt.py`` runs on 2 CPU processes (gloo, CPU mode), for three layouts
+(DP 2 with overlapped reduction and async save, TP 2 in bf16, PP 2), against an uninterrupted
+stock run of the same job that saves every iteration:
+
+- LowDiff: killed with SIGKILL after its base at 5; the restart replays the differentials and
+  trains to 12; its final checkpoint (every tensor of Megatron-LM's own save: model, main
+  parameters, Adam moments; its RNG states and optimizer step) and its losses equal the
+  uninterrupted run's, ``torch.equal``. The killed run's folder also merges offline into a stock
+  base equal to the uninterrupted run's at 8, which stock Megatron-LM resumes.
+- LowDiff+: its base at 10, written from the host replica through Megatron-LM's save path,
+  equals stock Megatron-LM's save at 10 tensor by tensor (so the replica equals the training
+  state); killed while merging after 11, stock Megatron-LM resumes from its base exactly, merge
+  gives the state at the newest differential, and the restart recovers and ends equal to the
+  uninterrupted run.
+- LowDiff with the top-k exchange (DP 2): killed after 8; the state at the recovered iteration
+  (merged offline, and the loss the restart computes from it) equals the uninterrupted
+  compressed run's, and training after it stays within 2% (the error-feedback residuals come
+  from the base).
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,15 +148,63 @@ def test_drift_checks_pass_against_the_checkout():
     assert "drift ok" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """Per layout, on first use: an uninterrupted stock run of TOTAL iterations that saves every
+    iteration (saving changes no training state), and its losses."""
+    done: dict[str, tuple[Path, dict[int, str]]] = {}
+
+    def get(layout: str) -> tuple[Path, dict[int, str]]:
+        if layout not in done:
+            flags, _ = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp(f"straight-{layout}")
+            log = _run(*GPT, *flags.split(), "--train-iters", str(TOTAL), "--save", str(out),
+                       "--save-interval", "1")  # fmt: skip
+            losses = _losses(log)
+            assert sorted(losses) == list(range(1, TOTAL + 1))
+            done[layout] = (out, losses)
+        return done[layout]
+
+    return get
+
+
+def _assert_stock_resumes_as_from(gpt: list[str], load: Path, straight: Path, at: int, tmp):
+    """Stock Megatron-LM (differential checkpointing off) resumes from ``load``'s newest base
+    (at ``at``) exactly as from the uninterrupted run's own save at ``at``: the same loss at
+    ``at + 1``. (Not the uninterrupted run's loss: building the data iterators after a load
+    draws from torch's generator, so a stock resume on CPU, where dropout draws from it too,
+    differs from straight training; the integration restores the generators, stock does not.)"""
+    reference = tmp / f"stock-{at}"
+    shutil.copytree(straight / f"iter_{at:07d}", reference / f"iter_{at:07d}")
+    (reference / "latest_checkpointed_iteration.txt").write_text(str(at))
+    losses = []
+    for folder in (load, reference):
+        log = _run(*gpt, "--train-iters", str(TOTAL), "--exit-interval", str(at + 1),
+                   "--load", str(folder))  # fmt: skip
+        assert re.search(rf"loaded checkpoint from .* at iteration {at}", log), log[-3000:]
+        assert f"consumed samples: {8 * (at + 1):12d}" in log
+        losses.append(_losses(log))
+    assert sorted(losses[0]) == [at + 1] and losses[0] == losses[1]
+
+
+def _resumed_losses(log: str, start: int) -> dict[int, str]:
+    """The losses a resumed run logged, less the line Megatron-LM averages: its first log line
+    after a resume that logs every iteration averages the losses of the first two iterations
+    (its own logging, with or without this package)."""
+    losses = _losses(log)
+    assert sorted(losses) == list(range(start + 1, TOTAL + 1)), log[-3000:]
+    losses.pop(start + 2, None)
+    return losses
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path, layout):
+def test_lowdiff_sigkill_then_recovery_then_merge_equal_uninterrupted_training(
+    tmp_path, layout, straight_runs
+):
     flags, rank_dirs = LAYOUTS[layout]
     gpt = [*GPT, *flags.split()]
-    straight = tmp_path / "straight"  # bases at 4, 8, 12 (saving changes no training state)
-    log = _run(*gpt, "--train-iters", str(TOTAL), "--save", str(straight), "--save-interval", "4")
-    expected_losses = _losses(log)
-    assert sorted(expected_losses) == list(range(1, TOTAL + 1))
+    straight, expected_losses = straight_runs(layout)
 
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff"]
@@ -158,9 +220,7 @@ def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path,
     assert proc.returncode == 0, proc.stderr
     _assert_same_checkpoint(straight / "iter_0000008", merged / "iter_0000008", ckpt / "diffckpt")
     # ...which stock Megatron-LM (differential checkpointing off) resumes from.
-    log = _run(*gpt, "--train-iters", str(TOTAL), "--exit-interval", "9", "--load", str(merged))
-    assert "consumed samples:           72" in log and sorted(_losses(log)) == [9]
-    assert re.search(r"loaded checkpoint from .* at iteration 8", log)
+    _assert_stock_resumes_as_from(gpt, merged, straight, 8, tmp_path)
 
     # Restart with --load: Megatron-LM loads base 5, the hooks replay up to the newest
     # iteration both ranks hold, and training goes on to TOTAL.
@@ -172,14 +232,103 @@ def test_sigkill_then_recovery_then_merge_equal_uninterrupted_training(tmp_path,
     assert re.search(r"diffckpt at iteration 12 \| recoverable lag: \d+ \| diff bytes per", log)
     start = int(recovered.group(1))
     assert start >= KILL_AFTER - 1
-    losses = _losses(log)
-    assert sorted(losses) == list(range(start + 1, TOTAL + 1))
-    # Megatron-LM's first log line after a resume that logs every iteration averages the loss
-    # of the first two iterations (its own logging, with or without this package): skip it.
-    del losses[start + 2]
+    losses = _resumed_losses(log, start)
     assert {i: expected_losses[i] for i in losses} == losses
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
+    tmp_path, layout, straight_runs
+):
+    flags, rank_dirs = LAYOUTS[layout]
+    gpt = [*GPT, *flags.split()]
+    straight, expected_losses = straight_runs(layout)
+
+    ckpt = tmp_path / "ckpt"
+    plus = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff-plus"]
+    # SIGKILL (the merger runs all the time) once 11 is logged, both ranks' differentials of 11
+    # are durable and the replica's base 10 is complete.
+    durable = [ckpt / "diffckpt" / name / "seg_0000000011_0000000011.bin" for name in rank_dirs]
+    durable.append(ckpt / "iter_0000010" / "metadata.json")
+    run_until_killed([*gpt, "--train-iters", str(TOTAL), *plus], 11, durable, SCRIPT)
+    tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
+    assert tracker in ("5", "10")  # killed before or after the tracker moved to 10
+
+    # The base the replica wrote through Megatron-LM's save path is stock Megatron-LM's save of
+    # the training state, tensor by tensor.
+    _assert_same_checkpoint(straight / "iter_0000010", ckpt / "iter_0000010", ckpt / "diffckpt")
+    # Stock Megatron-LM (differential checkpointing off) resumes from the replica's bases.
+    _assert_stock_resumes_as_from(gpt, ckpt, straight, int(tracker), tmp_path)
+    # Offline merge of the LowDiff+ run: the state at 11 from the newest base and the dense
+    # differentials the merger logged.
+    merged = tmp_path / "merged"
+    proc = run_cli("merge", str(ckpt), "--iteration", "11", "--out", str(merged), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    _assert_same_checkpoint(straight / "iter_0000011", merged / "iter_0000011", ckpt / "diffckpt")
+
+    # Restart with LowDiff+: base + differentials, then training to TOTAL; its final base (from
+    # the replica again) equals the uninterrupted run's.
+    log = _run(*gpt, "--train-iters", str(TOTAL), *plus, "--load", str(ckpt))
+    recovered = re.search(rf"recovered to iteration (\d+) \(base {tracker}\)", log)
+    assert recovered, log[-4000:]
+    start = int(recovered.group(1))
+    assert start >= 11
+    losses = _resumed_losses(log, start)
+    assert {i: expected_losses[i] for i in losses} == losses
+    assert "merge backlog" in log
+    final = f"iter_{TOTAL:07d}"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(TOTAL)
+    _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
+
+
+@pytest.mark.distributed
+def test_topk_exchange_sigkill_then_recovery_of_the_state_at_t(tmp_path):
+    """LowDiff with compressed training: the state at the recovered iteration is exact."""
+    gpt = [*GPT, "--overlap-grad-reduce", "--diffckpt-compressor", "topk",
+           "--diffckpt-topk-ratio", "0.1"]  # fmt: skip
+    straight = tmp_path / "straight"  # compressed training, no differentials
+    log = _run(*gpt, "--train-iters", str(TOTAL), "--save", str(straight), "--save-interval", "1")
+    expected_losses = _losses(log)
+    assert sorted(expected_losses) == list(range(1, TOTAL + 1))
+
+    ckpt = tmp_path / "ckpt"
+    diff = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff"]
+    durable = [
+        ckpt / "diffckpt" / f"rank_0_0_{d}" / "seg_0000000008_0000000008.bin" for d in (0, 1)
+    ]
+    run_until_killed([*gpt, "--train-iters", str(TOTAL), *diff], KILL_AFTER, durable, SCRIPT)
+    # The differentials are the sparse optimizer input: far smaller than the dense shard.
+    segment = durable[0].stat().st_size
+    assert segment < 0.5 * _shard_bytes(ckpt / "diffckpt" / "rank_0_0_0")
+
+    merged = tmp_path / "merged"  # the state at 8: base 5 + differentials 6-8
+    proc = run_cli("merge", str(ckpt), "--iteration", "8", "--out", str(merged), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    _assert_same_checkpoint(straight / "iter_0000008", merged / "iter_0000008", ckpt / "diffckpt")
+
+    log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
+    recovered = re.search(r"recovered to iteration (\d+) \(base 5\)", log)
+    assert recovered, log[-4000:]
+    start = int(recovered.group(1))
+    assert start >= KILL_AFTER
+    losses = _resumed_losses(log, start)
+    # The first iteration after recovery computes its loss from the recovered state: exact.
+    assert losses[start + 1] == expected_losses[start + 1]
+    # After it the residuals (the base's, not T's) make training differ, slightly.
+    for i, value in losses.items():
+        assert abs(float(value) - float(expected_losses[i])) <= 0.02 * float(expected_losses[i])
+
+
+def _shard_bytes(rank_dir: Path) -> int:
+    """Bytes of this rank's dense fp32 optimizer-shard gradient (from its shard map)."""
+    from megatron_diffckpt.shard_map import read_shard_map
+
+    return 4 * sum(
+        e.numel for inner in read_shard_map(str(rank_dir)).inner for g in inner.groups for e in g
+    )
 
 
 @pytest.mark.distributed
@@ -201,8 +350,7 @@ def test_recovery_is_exact_with_megatrons_plain_optimizer_too(tmp_path):
 
     log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
     start = int(re.search(r"recovered to iteration (\d+) \(base 5\)", log).group(1))
-    losses = _losses(log)
-    del losses[start + 2]  # Megatron-LM's first log line after a resume averages two
+    losses = _resumed_losses(log, start)
     assert losses and {i: expected_losses[i] for i in losses} == losses
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, None)
@@ -210,21 +358,9 @@ def test_recovery_is_exact_with_megatrons_plain_optimizer_too(tmp_path):
 
 @pytest.mark.distributed
 def test_unsupported_settings_are_refused_with_the_flag_to_change(tmp_path):
-    proc = run_gpt(
-        2,
-        *GPT,
-        "--train-iters",
-        "2",
-        "--save",
-        str(tmp_path),
-        "--save-interval",
-        "5",
-        "--diffckpt-mode",
-        "lowdiff",
-        "--diffckpt-compressor",
-        "topk",
-        script=SCRIPT,
-        check=False,
-    )
+    gpt = list(GPT)
+    gpt.remove("--use-distributed-optimizer")
+    proc = run_gpt(2, *gpt, "--train-iters", "2", "--save", str(tmp_path), "--save-interval", "5",
+                   "--diffckpt-mode", "lowdiff-plus", script=SCRIPT, check=False)  # fmt: skip
     assert proc.returncode != 0
-    assert "--diffckpt-compressor topk" in proc.stdout + proc.stderr
+    assert "needs --use-distributed-optimizer" in proc.stdout + proc.stderr

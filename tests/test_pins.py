@@ -41,8 +41,25 @@ def test_dockerfile_pins_nothing_itself_and_pins_its_base_image():
     assert not re.search(r"[A-Za-z0-9_-]+==\d", DOCKERFILE), "versions belong in requirements/"
     tag = re.search(r"^ARG NGC_PYTORCH_TAG=(\S+)$", DOCKERFILE, re.MULTILINE)
     assert tag and re.fullmatch(r"\d{2}\.\d{2}-py3", tag.group(1)), "pin the NGC image tag"
-    assert re.search(r"^FROM \$\{NGC_REGISTRY\}/nvidia/pytorch:\$\{NGC_PYTORCH_TAG\}$",
-                     DOCKERFILE, re.MULTILINE)  # fmt: skip
+    # The real image name: `docker build .` needs no arguments.
+    assert re.search(
+        r"^FROM nvcr\.io/nvidia/pytorch:\$\{NGC_PYTORCH_TAG\}$", DOCKERFILE, re.MULTILINE
+    )
+
+
+def test_dockerfile_gets_the_megatron_lm_release_of_the_pinned_megatron_core():
+    from megatron_diffckpt.integrations.megatron_lm import MEGATRON_LM_COMMITS
+
+    tag = f"core_v{_pins()['megatron-core']}"
+    commit = re.search(r"^ARG MEGATRON_LM_COMMIT=([0-9a-f]{40})$", DOCKERFILE, re.MULTILINE)
+    assert commit and MEGATRON_LM_COMMITS.get(tag) == commit.group(1), (
+        f"the Dockerfile must fetch Megatron-LM {tag} ({MEGATRON_LM_COMMITS.get(tag)})"
+    )
+    assert f"tag {tag}" in DOCKERFILE
+    assert (
+        'ENTRYPOINT ["torchrun", "--nproc-per-node=gpu", "examples/gpt/pretrain_gpt_diffckpt.py"]'
+        in DOCKERFILE
+    )
 
 
 def test_the_package_needs_what_the_pins_provide():

@@ -99,7 +99,13 @@ def slurm(tmp_path_factory):
 def _submit(env, out: Path, save: Path, args: list[str], **extra) -> str:
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}", "--nodes=1", str(SBATCH), *args],
-        env={**env, "SAVE": str(save), "NPROC_PER_NODE": "2", **extra},
+        env={
+            **env,
+            "SAVE": str(save),
+            "NPROC_PER_NODE": "2",
+            "TRAIN_SCRIPT": "examples/gpt/pretrain_gpt.py",
+            **extra,
+        },  # fmt: skip
         cwd=REPO,
         capture_output=True,
         text=True,

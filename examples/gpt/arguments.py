@@ -10,7 +10,12 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from megatron_diffckpt.checkpoint_layout import CheckpointNotFoundError, find_latest_iteration
+from megatron_diffckpt.checkpoint_layout import (
+    TRACKER_FILENAME,
+    CheckpointNotFoundError,
+    find_latest_iteration,
+    has_tracker,
+)
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.errors import DiffCkptUsageError
 
@@ -80,7 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
-    g.add_argument("--load", type=str, default=None, help="Directory to resume from.")
+    g.add_argument(
+        "--load",
+        type=str,
+        default=None,
+        help="Directory to resume from. As Megatron-LM: a folder that does not exist or holds no "
+        "checkpoint (no tracker) starts from scratch with a warning.",
+    )
+    g.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="With --load: exit (code 2) when it holds no checkpoint, instead of starting from "
+        "scratch.",
+    )
     g.add_argument("--save-interval", type=_positive(int), default=None)
     g.add_argument(
         "--ckpt-format",
@@ -198,8 +215,9 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         parser.error("--dump-state-at needs --dump-state DIR")
     if args.mock_data and args.data_path:
         parser.error("--mock-data and --data-path exclude each other")
+    args.load_missing = None
     if args.load is not None:
-        _check_load_dir(parser, args.load)
+        args.load_missing = _check_load_dir(parser, args.load, args.exit_on_missing_checkpoint)
     try:
         args.diffckpt = DiffCkptConfig.from_args(args)
         args.diffckpt.check_launch(args)
@@ -211,8 +229,23 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     return args
 
 
-def _check_load_dir(parser: argparse.ArgumentParser, load: str) -> None:
+def _check_load_dir(
+    parser: argparse.ArgumentParser, load: str, exit_on_missing: bool
+) -> str | None:
+    """``None`` when ``load`` holds a checkpoint to resume; the reason when it holds none (no
+    folder, no tracker: Megatron-LM then starts from scratch). A tracker that names a missing
+    or incomplete checkpoint is an error either way: something is broken there."""
+    if not has_tracker(load):
+        reason = (
+            f"{load}: no such directory"
+            if not os.path.isdir(load)
+            else f"{load} holds no checkpoint (no {TRACKER_FILENAME})"
+        )
+        if exit_on_missing:
+            parser.error(f"--load: {reason} (--exit-on-missing-checkpoint)")
+        return reason
     try:
         find_latest_iteration(load)
     except CheckpointNotFoundError as exc:
         parser.error(f"--load: {exc}")
+    return None

@@ -355,6 +355,13 @@ def main(argv=None) -> int:
         )
 
     iteration, consumed = 0, 0
+    if args.load_missing is not None:  # Megatron-LM's behaviour: warn, start from scratch
+        logger.warning(
+            "WARNING: --load %s: will not load any checkpoint and will start from random "
+            "(use --exit-on-missing-checkpoint to stop instead)",
+            args.load_missing,
+        )
+        args.load = None
     if args.load is not None:
         load_start = time.perf_counter()
         if args.ckpt_format == "torch_dcp":

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt.merge import ParamSlice, ShardLayout
 from megatron_diffckpt.patches.base import MegatronDriftError, MethodPatch, PatchSet
 from megatron_diffckpt.patches.grad_sync import bucket_groups
 from megatron_diffckpt.patches.optimizer_layout import bucket_params
 from megatron_diffckpt.patches.optimizer_step import inner_optimizers
+from megatron_diffckpt.replica_merger import ParamSlice, ShardLayout
 from megatron_diffckpt.snapshot import BucketSnapshotter
 
 _BUCKETS = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
@@ -160,8 +160,8 @@ def shard_layout(optimizer: Any) -> tuple[ShardLayout, dict[str, tuple[int, torc
     """This rank's shard layout. Any rank.
 
     Returns ``(layout, shards, keys)``: ``layout[inner][group][index]`` is the
-    :class:`~megatron_diffckpt.merge.ParamSlice` of each torch-optimizer parameter; ``shards``
-    maps every bucket key to ``(numel, dtype)`` of this rank's shard; ``keys`` maps
+    :class:`~megatron_diffckpt.replica_merger.ParamSlice` of each torch-optimizer parameter;
+    ``shards`` maps every bucket key to ``(numel, dtype)`` of this rank's shard; ``keys`` maps
     ``id(bucket)`` (megatron's bucket objects) to its key.
     """
     layout: ShardLayout = []

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt.merge import ShardLayout
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
 from megatron_diffckpt.patches.bucket_snapshot import bucket_key
 from megatron_diffckpt.patches.optimizer_step import inner_optimizers
+from megatron_diffckpt.replica_merger import ShardLayout
 
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
 

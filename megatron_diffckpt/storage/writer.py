@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from megatron_diffckpt.background import lower_priority
+from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.storage.format import (
     DiffRecord,
@@ -99,17 +98,16 @@ class DiffLogWriter:
         os.makedirs(self.dir, exist_ok=True)
         self.stats = WriterStats()
         self._batch: list[DiffRecord] = []
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
         self._next_iteration = chain_start + 1
         # The chain: every iteration in (base, _durable] is published. Segments published beyond a
         # gap (a skipped batch) wait in _after_gap until a rebase() or the gap's filling joins them.
         self._durable = chain_start
         self._after_gap: list[tuple[int, int]] = []
         self._samples: deque[SegmentSample] = deque(maxlen=256)
-        self._thread = threading.Thread(target=self._run, name="diffckpt-writer", daemon=True)
-        self._thread.start()
+        self._worker = BackgroundWorker(
+            "diffckpt-writer", self._write, maxsize=max_pending, on_error=self._failed
+        )
 
     # -- the training loop's side -----------------------------------------------------------
 
@@ -136,7 +134,7 @@ class DiffLogWriter:
     @property
     def backlog(self) -> int:
         """Segments handed over and not yet written."""
-        return self._queue.qsize()
+        return self._worker.backlog
 
     def flush(self) -> int:
         """Write the partial batch and wait until everything handed over is durable.
@@ -145,7 +143,7 @@ class DiffLogWriter:
         """
         if self._batch:
             self._submit(force_block=True)
-        self._queue.join()
+        self._worker.join()
         self._raise_background_error()
         return self.durable_iteration
 
@@ -176,22 +174,19 @@ class DiffLogWriter:
 
     def close(self) -> None:
         """Flush and stop the background thread. Idempotent."""
-        if not self._thread.is_alive():
+        if not self._worker.alive:
             return
         try:
             self.flush()
         finally:
-            self._queue.put(None)
-            self._thread.join()
+            self._worker.stop()
 
     # -- internals ---------------------------------------------------------------------------
 
     def _submit(self, force_block: bool = False) -> None:
         batch, self._batch = self._batch, []
         if self.when_full == "skip" and not force_block:
-            try:
-                self._queue.put_nowait(batch)
-            except queue.Full:
+            if not self._worker.put(batch, block=False):
                 self.stats.skipped_records += len(batch)
                 logger.warning(
                     "diff log %s: storage fell behind, iterations %d-%d were NOT written; "
@@ -203,30 +198,18 @@ class DiffLogWriter:
                 )
             return
         start = time.perf_counter()
-        self._queue.put(batch)
+        self._worker.put(batch)
         self.stats.blocked_seconds += time.perf_counter() - start
 
     def _raise_background_error(self) -> None:
-        if self._error is not None:
+        if self._worker.error is not None:
             raise RuntimeError(
                 f"diff log writer of {self.identity.dirname()} failed; the last durable iteration "
                 f"is {self.durable_iteration}"
-            ) from self._error
+            ) from self._worker.error
 
-    def _run(self) -> None:
-        lower_priority()  # training first on a busy host
-        while True:
-            batch = self._queue.get()
-            try:
-                if batch is None:
-                    return
-                if self._error is None:
-                    self._write(batch)
-            except BaseException as exc:  # reported to the training loop by the next call
-                self._error = exc
-                logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
-            finally:
-                self._queue.task_done()
+    def _failed(self, exc: BaseException) -> None:  # the worker thread; the next call raises it
+        logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
 
     def _write(self, batch: list[DiffRecord]) -> None:
         start = time.perf_counter()

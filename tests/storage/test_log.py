@@ -203,7 +203,7 @@ def test_background_failure_reaches_the_training_loop(tmp_path, monkeypatch):
         w.append(_record(2))
     with pytest.raises(RuntimeError):
         w.close()  # the failure is reported once more, and the thread stops
-    assert not w._thread.is_alive()
+    assert not w._worker.alive
 
 
 _KILLED_WRITER = textwrap.dedent(

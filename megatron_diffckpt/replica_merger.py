@@ -17,24 +17,21 @@ re-anchored from the device state (:meth:`ReplicaMerger.anchor`) at every persis
 Optionally each merged step's optimizer input also goes to the diff log (a dense, exact
 differential), so that recovery can replay past the newest persisted base.
 
-Threads: the training thread calls :meth:`submit`, :meth:`run_after`, :meth:`wait_merged`,
+Threads: the training thread calls :meth:`submit`, :meth:`wait_merged`,
 :meth:`close`; the merger thread does the rest. A job is merged in submission order.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megatron_diffckpt.background import lower_priority
+from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.writer import DiffLogWriter
@@ -83,12 +80,6 @@ class MergeJob:
     consumed_samples: int
     rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
     """RNG states at the end of the iteration; ``None`` when no differential is logged."""
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], Any]
-    future: Future
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -172,14 +163,13 @@ class ReplicaMerger:
         self.writer = writer
         self.capture = GradShardCapture()
         self.optimizers: list[torch.optim.Optimizer | None] = []
-        self._queue: queue.Queue[MergeJob | _Call | None] = queue.Queue()
         self._merged = -1
         self._cond = threading.Condition()
-        self._error: BaseException | None = None
         self.merge_seconds = 0.0
         """Merger-thread time spent merging, cumulative."""
-        self._thread = threading.Thread(target=self._run, name="diffckpt-merger", daemon=True)
-        self._thread.start()
+        self._worker = BackgroundWorker(
+            "diffckpt-merger", self._merge_job, drop=self._drop, on_error=self._failed
+        )
 
     # ----------------------------------------------------------------- training thread
     def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
@@ -194,14 +184,7 @@ class ReplicaMerger:
     def submit(self, job: MergeJob) -> None:
         """Queue ``job``; the merger releases its slot when done. The training thread."""
         self._raise_background_error()
-        self._queue.put(job)
-
-    def run_after(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the merger thread once the jobs submitted so far are merged, before any
-        later one: the replica holds exactly the state of the last submitted iteration."""
-        future: Future = Future()
-        self._queue.put(_Call(fn, future))
-        return future
+        self._worker.put(job)
 
     @property
     def merged_iteration(self) -> int:
@@ -211,63 +194,41 @@ class ReplicaMerger:
         """Block until ``iteration`` is merged; returns the seconds waited."""
         start = time.perf_counter()
         with self._cond:
-            while self._merged < iteration and self._error is None:
+            while self._merged < iteration and self._worker.error is None:
                 self._cond.wait(0.5)
         self._raise_background_error()
         return time.perf_counter() - start
 
     def wait_idle(self) -> None:
-        """Block until every queued job and call has run."""
-        self._queue.join()
+        """Block until every queued job has been merged."""
+        self._worker.join()
         self._raise_background_error()
 
     def close(self) -> None:
         """Merge what is queued, then stop the thread."""
-        self._queue.put(None)
-        self._thread.join()
+        self._worker.stop()
         self._raise_background_error()
 
     # ----------------------------------------------------------------- merger thread
     def _raise_background_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("LowDiff+ merger failed") from self._error
+        if self._worker.error is not None:
+            raise RuntimeError("LowDiff+ merger failed") from self._worker.error
 
-    def _run(self) -> None:
-        lower_priority()  # training first on a busy host
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                if self._error is not None:
-                    self._drop(item)
-                    continue
-                if isinstance(item, _Call):
-                    try:
-                        item.future.set_result(item.fn())
-                    except BaseException as e:  # noqa: BLE001 - handed to the caller
-                        item.future.set_exception(e)
-                    continue
-                start = time.perf_counter()
-                self._merge(item)
-                self.merge_seconds += time.perf_counter() - start
-                with self._cond:
-                    self._merged = item.iteration
-                    self._cond.notify_all()
-            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
-                logger.exception("LowDiff+ merger failed")
-                self._error = e
-                if isinstance(item, MergeJob):
-                    self._drop(item)
-                with self._cond:
-                    self._cond.notify_all()
-            finally:
-                self._queue.task_done()
+    def _merge_job(self, job: MergeJob) -> None:
+        start = time.perf_counter()
+        self._merge(job)
+        self.merge_seconds += time.perf_counter() - start
+        with self._cond:
+            self._merged = job.iteration
+            self._cond.notify_all()
 
-    def _drop(self, item: MergeJob | _Call) -> None:
-        if isinstance(item, _Call):
-            item.future.set_exception(RuntimeError("LowDiff+ merger failed earlier"))
-        elif item.slot is not None:
+    def _failed(self, exc: BaseException) -> None:
+        logger.error("LowDiff+ merger failed", exc_info=exc)
+        with self._cond:  # wake wait_merged, which raises it
+            self._cond.notify_all()
+
+    def _drop(self, item: MergeJob) -> None:
+        if item.slot is not None:
             self.snapshotter.release(item.slot)
 
     @torch.no_grad()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_diffckpt.merge import MergeJob, ParamSlice, ReplicaMerger, StepInputs
+from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, ReplicaMerger, StepInputs
 from megatron_diffckpt.snapshot import BucketSnapshotter
 
 SHARDS = {"b0": (10, torch.float32), "b1": (6, torch.float32)}

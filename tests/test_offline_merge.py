@@ -15,7 +15,7 @@ import pytest
 import torch
 from launch import TINY_GPT, assert_same_state, load_dumps, run_cli, run_gpt, run_until_killed
 
-from megatron_diffckpt import base_merge
+from megatron_diffckpt import offline_merge
 from megatron_diffckpt.shard_map import SHARD_MAP_FILE, read_shard_map
 
 TOTAL = 12
@@ -185,9 +185,9 @@ def test_a_run_trained_with_a_fused_optimizer_is_refused():
     from megatron_diffckpt.shard_map import InnerEntry
 
     entry = InnerEntry("FusedAdam", "k", ())
-    with pytest.raises(base_merge.MergeError, match="FusedAdam.*--load"):
-        base_merge._optimizer_for(0, entry, {}, [])
-    assert torch.optim.AdamW is base_merge._OPTIMIZERS["AdamW"]
+    with pytest.raises(offline_merge.MergeError, match="FusedAdam.*--load"):
+        offline_merge._optimizer_for(0, entry, {}, [])
+    assert torch.optim.AdamW is offline_merge._OPTIMIZERS["AdamW"]
 
 
 def test_rng_states_move_to_the_chain_and_a_cpu_mode_device_state_follows_the_cpu_one():
@@ -199,7 +199,7 @@ def test_rng_states_move_to_the_chain_and_a_cpu_mode_device_state_follows_the_cp
         "cuda_rng_state": cpu_state.clone(),  # CPU mode: the device generator is the CPU one
         "rng_tracker_states": {"model-parallel-rng": torch.zeros(3), "other": torch.ones(2)},
     }
-    out = base_merge._update_rng([saved], new)[0]  # Megatron-LM saves a list
+    out = offline_merge._update_rng([saved], new)[0]  # Megatron-LM saves a list
     assert torch.equal(out["torch_rng_state"], new["torch"])
     assert torch.equal(out["cuda_rng_state"], new["torch"])
     assert out["random_rng_state"] == (3, (1, 2), None)  # not in the chain: unchanged
@@ -207,4 +207,4 @@ def test_rng_states_move_to_the_chain_and_a_cpu_mode_device_state_follows_the_cp
     assert torch.equal(out["rng_tracker_states"]["other"], torch.ones(2))
     # A real device state (another generator) is not the CPU one's to overwrite.
     gpu_like = {**saved, "cuda_rng_state": torch.zeros(16, dtype=torch.uint8)}
-    assert torch.equal(base_merge._update_rng(gpu_like, new)["cuda_rng_state"], torch.zeros(16))
+    assert torch.equal(offline_merge._update_rng(gpu_like, new)["cuda_rng_state"], torch.zeros(16))
