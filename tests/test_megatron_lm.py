@@ -28,6 +28,7 @@ stock run of the same job that saves every iteration:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -187,6 +188,34 @@ def _assert_stock_resumes_as_from(gpt: list[str], load: Path, straight: Path, at
     assert sorted(losses[0]) == [at + 1] and losses[0] == losses[1]
 
 
+def _kill_after(args: list[str], ckpt: Path, rank_dirs, at: int, *also: Path) -> None:
+    """Train to TOTAL and SIGKILL every process once ``at`` is logged, the ranks' differentials
+    of ``at`` are durable and ``also`` exist."""
+    durable = [ckpt / "diffckpt" / name / f"seg_{at:010d}_{at:010d}.bin" for name in rank_dirs]
+    run_until_killed([*args, "--train-iters", str(TOTAL)], at, [*durable, *also], SCRIPT)
+
+
+def _assert_merge_equals(ckpt: Path, at: int, straight: Path, tmp: Path) -> Path:
+    """``megatron-diffckpt merge`` of ``ckpt`` at ``at`` equals the uninterrupted run's save at
+    ``at``; returns the merged folder."""
+    merged = tmp / "merged"
+    proc = run_cli("merge", str(ckpt), "--iteration", str(at), "--out", str(merged), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    name = f"iter_{at:07d}"
+    _assert_same_checkpoint(straight / name, merged / name, ckpt / "diffckpt")
+    return merged
+
+
+def _recover(args: list[str], ckpt: Path, base: str) -> tuple[int, dict[int, str], str]:
+    """Restart with ``--load ckpt``: the iteration it recovered to from ``base``, the losses it
+    logged after it, and its log."""
+    log = _run(*args, "--train-iters", str(TOTAL), "--load", str(ckpt))
+    recovered = re.search(rf"recovered to iteration (\d+) \(base {base}\)", log)
+    assert recovered, log[-4000:]
+    start = int(recovered.group(1))
+    return start, _resumed_losses(log, start), log
+
+
 def _resumed_losses(log: str, start: int) -> dict[int, str]:
     """The losses a resumed run logged, less the line Megatron-LM averages: its first log line
     after a resume that logs every iteration averages the losses of the first two iterations
@@ -208,31 +237,22 @@ def test_lowdiff_sigkill_then_recovery_then_merge_equal_uninterrupted_training(
 
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff"]
-    # SIGKILL once iteration 8 is logged and both ranks' differentials of 8 are durable.
-    durable = [ckpt / "diffckpt" / name / "seg_0000000008_0000000008.bin" for name in rank_dirs]
-    run_until_killed([*gpt, "--train-iters", str(TOTAL), *diff], KILL_AFTER, durable, SCRIPT)
+    _kill_after([*gpt, *diff], ckpt, rank_dirs, KILL_AFTER)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
     assert len(list((ckpt / "diffckpt").glob("rank_*/shard_map.json"))) == 2
 
-    # Offline: base 5 + differentials 6-8 into a stock base equal to the one training saved at 8.
-    merged = tmp_path / "merged"
-    proc = run_cli("merge", str(ckpt), "--iteration", "8", "--out", str(merged), "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    _assert_same_checkpoint(straight / "iter_0000008", merged / "iter_0000008", ckpt / "diffckpt")
+    # Offline: base 5 + differentials 6-8 into a stock base equal to the one training saved at 8,
+    merged = _assert_merge_equals(ckpt, 8, straight, tmp_path)
     # ...which stock Megatron-LM (differential checkpointing off) resumes from.
     _assert_stock_resumes_as_from(gpt, merged, straight, 8, tmp_path)
 
     # Restart with --load: Megatron-LM loads base 5, the hooks replay up to the newest
     # iteration both ranks hold, and training goes on to TOTAL.
-    log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
-    recovered = re.search(r"recovered to iteration (\d+) \(base 5\)", log)
-    assert recovered, log[-4000:]
+    start, losses, log = _recover([*gpt, *diff], ckpt, "5")
     # Observability: Megatron-LM's timer for the differential, and the manager's metrics.
     assert "diffckpt-diff" in log
     assert re.search(r"diffckpt at iteration 12 \| recoverable lag: \d+ \| diff bytes per", log)
-    start = int(recovered.group(1))
     assert start >= KILL_AFTER - 1
-    losses = _resumed_losses(log, start)
     assert {i: expected_losses[i] for i in losses} == losses
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
@@ -249,11 +269,8 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
 
     ckpt = tmp_path / "ckpt"
     plus = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff-plus"]
-    # SIGKILL (the merger runs all the time) once 11 is logged, both ranks' differentials of 11
-    # are durable and the replica's base 10 is complete.
-    durable = [ckpt / "diffckpt" / name / "seg_0000000011_0000000011.bin" for name in rank_dirs]
-    durable.append(ckpt / "iter_0000010" / "metadata.json")
-    run_until_killed([*gpt, "--train-iters", str(TOTAL), *plus], 11, durable, SCRIPT)
+    # SIGKILL (the merger runs all the time) after 11, once the replica's base 10 is complete.
+    _kill_after([*gpt, *plus], ckpt, rank_dirs, 11, ckpt / "iter_0000010" / "metadata.json")
     tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
     assert tracker in ("5", "10")  # killed before or after the tracker moved to 10
 
@@ -264,21 +281,18 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
     _assert_stock_resumes_as_from(gpt, ckpt, straight, int(tracker), tmp_path)
     # Offline merge of the LowDiff+ run: the state at 11 from the newest base and the dense
     # differentials the merger logged.
-    merged = tmp_path / "merged"
-    proc = run_cli("merge", str(ckpt), "--iteration", "11", "--out", str(merged), "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    _assert_same_checkpoint(straight / "iter_0000011", merged / "iter_0000011", ckpt / "diffckpt")
+    _assert_merge_equals(ckpt, 11, straight, tmp_path)
 
     # Restart with LowDiff+: base + differentials, then training to TOTAL; its final base (from
     # the replica again) equals the uninterrupted run's.
-    log = _run(*gpt, "--train-iters", str(TOTAL), *plus, "--load", str(ckpt))
-    recovered = re.search(rf"recovered to iteration (\d+) \(base {tracker}\)", log)
-    assert recovered, log[-4000:]
-    start = int(recovered.group(1))
+    start, losses, log = _recover([*gpt, *plus], ckpt, tracker)
     assert start >= 11
-    losses = _resumed_losses(log, start)
     assert {i: expected_losses[i] for i in losses} == losses
-    assert "merge backlog" in log
+    assert start == TOTAL or "merge backlog" in log  # the metrics line, when it trained on
+    if layout == "pp2":  # snapshot copies issued while a stage waits on its peer
+        traces = sorted((ckpt / "diffckpt" / "trace").glob("rank_*.json"))
+        shares = [json.loads(t.read_text())["summary"]["share_in_bubbles"] for t in traces]
+        assert len(shares) == 2 and max(shares) > 0, shares
     final = f"iter_{TOTAL:07d}"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(TOTAL)
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
@@ -296,25 +310,15 @@ def test_topk_exchange_sigkill_then_recovery_of_the_state_at_t(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff"]
-    durable = [
-        ckpt / "diffckpt" / f"rank_0_0_{d}" / "seg_0000000008_0000000008.bin" for d in (0, 1)
-    ]
-    run_until_killed([*gpt, "--train-iters", str(TOTAL), *diff], KILL_AFTER, durable, SCRIPT)
+    _kill_after([*gpt, *diff], ckpt, ("rank_0_0_0", "rank_0_0_1"), KILL_AFTER)
     # The differentials are the sparse optimizer input: far smaller than the dense shard.
-    segment = durable[0].stat().st_size
+    segment = (ckpt / "diffckpt" / "rank_0_0_0" / "seg_0000000008_0000000008.bin").stat().st_size
     assert segment < 0.5 * _shard_bytes(ckpt / "diffckpt" / "rank_0_0_0")
 
-    merged = tmp_path / "merged"  # the state at 8: base 5 + differentials 6-8
-    proc = run_cli("merge", str(ckpt), "--iteration", "8", "--out", str(merged), "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    _assert_same_checkpoint(straight / "iter_0000008", merged / "iter_0000008", ckpt / "diffckpt")
+    _assert_merge_equals(ckpt, 8, straight, tmp_path)  # the state at 8: base 5 + 6-8
 
-    log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
-    recovered = re.search(r"recovered to iteration (\d+) \(base 5\)", log)
-    assert recovered, log[-4000:]
-    start = int(recovered.group(1))
+    start, losses, _ = _recover([*gpt, *diff], ckpt, "5")
     assert start >= KILL_AFTER
-    losses = _resumed_losses(log, start)
     # The first iteration after recovery computes its loss from the recovered state: exact.
     assert losses[start + 1] == expected_losses[start + 1]
     # After it the residuals (the base's, not T's) make training differ, slightly.
@@ -340,20 +344,38 @@ def test_recovery_is_exact_with_megatrons_plain_optimizer_too(tmp_path):
     log = _run(*gpt, "--train-iters", str(TOTAL), "--save", str(straight), "--save-interval", "6")
     expected_losses = _losses(log)
     diff = ["--save", str(ckpt), "--save-interval", "5", "--diffckpt-mode", "lowdiff"]
-    durable = [
-        ckpt / "diffckpt" / f"rank_0_0_{d}" / "seg_0000000008_0000000008.bin" for d in (0, 1)
-    ]
-    run_until_killed([*gpt, "--train-iters", str(TOTAL), *diff], KILL_AFTER, durable, SCRIPT)
+    _kill_after([*gpt, *diff], ckpt, ("rank_0_0_0", "rank_0_0_1"), KILL_AFTER)
     assert not list((ckpt / "diffckpt").glob("rank_*/shard_map.json"))
     proc = run_cli("merge", str(ckpt), "--out", str(tmp_path / "merged"))
     assert proc.returncode == 1 and "shard map" in proc.stderr
 
-    log = _run(*gpt, "--train-iters", str(TOTAL), *diff, "--load", str(ckpt))
-    start = int(re.search(r"recovered to iteration (\d+) \(base 5\)", log).group(1))
-    losses = _resumed_losses(log, start)
+    start, losses, _ = _recover([*gpt, *diff], ckpt, "5")
     assert losses and {i: expected_losses[i] for i in losses} == losses
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, None)
+
+
+@pytest.mark.distributed
+def test_auto_tune_moves_megatron_lms_save_interval(tmp_path):
+    """--diffckpt-auto-tune in Megatron-LM's loop: decisions logged with their inputs, and
+    Megatron-LM's saves follow the agreed F (its --save-interval)."""
+    ckpt = tmp_path / "ckpt"
+    log = _run(*GPT, "--train-iters", "24", "--save", str(ckpt), "--save-interval", "3",
+               "--diffckpt-mode", "lowdiff", "--diffckpt-auto-tune", "--diffckpt-retune-interval",
+               "4", "--diffckpt-mtbf-hours", "1000")  # fmt: skip
+    assert re.search(r"auto-tune at iteration 4: proposes F 3 -> \d+, B 1 -> \d+ .* from: ", log)
+    changes = {
+        int(m[1]): int(m[2])
+        for m in re.finditer(r"auto-tune at iteration (\d+): F \d+ -> (\d+)", log)
+    }
+    assert changes, "the tuner never changed F"
+    saved = sorted({int(m) for m in re.findall(r"saved checkpoint from iteration +(\d+) ", log)})
+    expected, f = [], 3
+    for it in range(1, 25):  # Megatron-LM's rule, with the interval decided after the step
+        f = changes.get(it, f)
+        if it % f == 0 or it == 24:
+            expected.append(it)
+    assert saved == expected, (saved, expected, changes)
 
 
 @pytest.mark.distributed

@@ -36,7 +36,7 @@ import torch
 
 from megatron_diffckpt.patches.base import MegatronDriftError, MethodPatch, PatchSet
 from megatron_diffckpt.patches.grad_sync import bucket_groups
-from megatron_diffckpt.patches.optimizer_layout import bucket_params
+from megatron_diffckpt.patches.optimizer_layout import bucket_params, param_ranges_in_bucket
 from megatron_diffckpt.patches.optimizer_step import inner_optimizers
 from megatron_diffckpt.replica_merger import ParamSlice, ShardLayout
 from megatron_diffckpt.snapshot import BucketSnapshotter
@@ -238,6 +238,11 @@ def attach(model_chunks: list[Any], optimizer: Any, snapshotter: BucketSnapshott
     refresh = []
     for ddp in model_chunks:
         sequence_parallel = bool(getattr(ddp.config, "sequence_parallel", False))
+        buffer_of = {
+            id(bucket): buffer
+            for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
+            for bucket in buffer.buckets
+        }
         for bucket_group in bucket_groups(ddp):
             if hasattr(bucket_group, _ATTACHED):
                 raise RuntimeError("LowDiff+ snapshots are already attached to this model")
@@ -245,7 +250,7 @@ def attach(model_chunks: list[Any], optimizer: Any, snapshotter: BucketSnapshott
                 shard = _local_shard(bucket_group, bucket)
                 start_of_shard = shard.data_ptr() - bucket.grad_data.data_ptr()
                 offset = start_of_shard // bucket.grad_data.element_size()
-                for param, (p_start, p_end) in bucket.param_to_index.items():
+                for param, p_start, p_end in param_ranges_in_bucket(buffer_of[id(bucket)], bucket):
                     if not _changed_after_reduction(param, sequence_parallel):
                         continue
                     lo, hi = max(p_start, offset), min(p_end, offset + shard.numel())

@@ -50,6 +50,21 @@ class BucketParam:
     index: int
 
 
+def param_ranges_in_bucket(buffer: Any, bucket: Any) -> list[tuple[Any, int, int]]:
+    """``(param, start, end)`` of every parameter of ``bucket`` (one bucket of megatron's
+    ``_ParamAndGradBuffer`` ``buffer``), in the bucket's data. Any rank.
+
+    From the buffer's ``param_index_map``, which holds where each parameter really sits,
+    padding included (with the distributed optimizer, megatron-core pads parameter starts);
+    ``bucket.param_to_index`` packs the parameters without that padding and is not the layout
+    of the bucket's data."""
+    out = []
+    for param in bucket.params_list:
+        start, end, _bucket_id = buffer.param_index_map[param]
+        out.append((param, start - bucket.offset, end - bucket.offset))
+    return out
+
+
 def is_distributed(inner: Any) -> bool:
     return hasattr(inner, "gbuf_ranges") and hasattr(inner, "model_param_group_index_map")
 

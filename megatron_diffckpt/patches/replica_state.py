@@ -24,6 +24,7 @@ import torch
 
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
 from megatron_diffckpt.patches.bucket_snapshot import bucket_key
+from megatron_diffckpt.patches.optimizer_layout import param_ranges_in_bucket
 from megatron_diffckpt.patches.optimizer_step import inner_optimizers
 from megatron_diffckpt.replica_merger import ShardLayout
 
@@ -90,7 +91,7 @@ class ReplicaModelParams:
             for gbuf_idx, buffer in enumerate(inner.buffers):
                 for bucket_idx, bucket in enumerate(buffer.buckets):
                     entries = []
-                    for param, (start, end) in bucket.param_to_index.items():
+                    for param, start, end in param_ranges_in_bucket(buffer, bucket):
                         host = torch.empty(param.shape, dtype=param.dtype, device="cpu")
                         self.params[id(param)] = host
                         self._by_ptr[(param.data_ptr(), param.numel(), param.dtype)] = host
