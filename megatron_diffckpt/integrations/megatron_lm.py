@@ -170,6 +170,15 @@ class _Run:
             args.save_interval = self.config.full_interval
         self.manager.start(args.iteration, args.save_interval or 0)
 
+    def restore_recovered_rng(self) -> None:
+        """Set the RNG states of the recovered iteration, once: at the first ``train_step``, or
+        at a save before it (a job recovered onto its last iteration saves without training)."""
+        if self.recovered_rng is not None:
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            restore_rng([self.recovered_rng], get_cuda_rng_tracker())
+            self.recovered_rng = None
+
     def after_step(self, train_s: float) -> None:
         """After each train_step: the iteration's differential, the shard map. All ranks."""
         from megatron.core import parallel_state as mpu
@@ -266,6 +275,7 @@ class _Run:
             request, self.captured = self.captured, None
             return request
 
+        self.restore_recovered_rng()  # Megatron-LM's save reads the RNG states
         self.saving = iteration
         try:
             manager.save_base(iteration, save)
@@ -300,11 +310,7 @@ def _setup_wrapper(original: Callable) -> Callable:
 def _train_step_wrapper(original: Callable) -> Callable:
     @functools.wraps(original)
     def train_step(*args, **kwargs):
-        if RUN.recovered_rng is not None:
-            from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-            restore_rng([RUN.recovered_rng], get_cuda_rng_tracker())
-            RUN.recovered_rng = None
+        RUN.restore_recovered_rng()
         start = time.perf_counter()
         out = original(*args, **kwargs)
         if RUN.manager is not None:
