@@ -299,6 +299,30 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
 
 
 @pytest.mark.distributed
+def test_recovered_onto_its_last_iteration_the_job_still_ends_with_its_final_base(
+    tmp_path, straight_runs
+):
+    """Megatron-LM saves at the end of training only off multiples of --save-interval: a job
+    killed after its last iteration (10) but before base 10 was published recovers to 10 and
+    saves that base, from the replica, equal to stock Megatron-LM's save at 10."""
+    flags, rank_dirs = LAYOUTS["dp2-async-save"]
+    straight, _ = straight_runs("dp2-async-save")
+    ckpt = tmp_path / "ckpt"
+    args = [*GPT, *flags.split(), "--save", str(ckpt), "--save-interval", "5",
+            "--diffckpt-mode", "lowdiff-plus"]  # fmt: skip
+    durable = [ckpt / "diffckpt" / n / "seg_0000000010_0000000010.bin" for n in rank_dirs]
+    tracker = ckpt / "latest_checkpointed_iteration.txt"  # base 5 published
+    run_until_killed([*args, "--train-iters", "10"], 10, [*durable, tracker], SCRIPT)
+    base = tracker.read_text()
+    log = _run(*args, "--train-iters", "10", "--load", str(ckpt))
+    assert re.search(rf"recovered to iteration 10 \(base {base}\)", log), log[-3000:]
+    if base == "5":  # killed before base 10 was published (the usual case)
+        assert "saving the base of the recovered iteration 10" in log
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
+    _assert_same_checkpoint(straight / "iter_0000010", ckpt / "iter_0000010", ckpt / "diffckpt")
+
+
+@pytest.mark.distributed
 def test_topk_exchange_sigkill_then_recovery_of_the_state_at_t(tmp_path):
     """LowDiff with compressed training: the state at the recovered iteration is exact."""
     gpt = [*GPT, "--overlap-grad-reduce", "--diffckpt-compressor", "topk",

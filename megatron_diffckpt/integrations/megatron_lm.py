@@ -116,6 +116,7 @@ class _Run:
         self.capture_request = False  # LowDiff+: hand the AsyncRequest back, do not queue it
         self.captured: Any = None
         self.recovered_rng: Any = None  # RNG states at the recovered iteration, until step 1
+        self.base_loaded: int | None = None  # the iteration of the base --load loaded
 
     def begin(self, model: list[Any], optimizer: Any, scheduler: Any, setup_s: float) -> None:
         """After setup_model_and_optimizer: exchange, manager, recovery, start. All ranks."""
@@ -152,7 +153,7 @@ class _Run:
             self.config, args.save, optimizer, get_cuda_rng_tracker(), coords, model
         )
         if loaded:
-            base = args.iteration
+            base = self.base_loaded = args.iteration
             iteration, steps, consumed = self.manager.recover(base, base_load_s=setup_s)
             if steps is not None:
                 scheduler.num_steps = steps
@@ -170,14 +171,30 @@ class _Run:
             args.save_interval = self.config.full_interval
         self.manager.start(args.iteration, args.save_interval or 0)
 
-    def restore_recovered_rng(self) -> None:
-        """Set the RNG states of the recovered iteration, once: at the first ``train_step``, or
-        at a save before it (a job recovered onto its last iteration saves without training)."""
+    def restore_recovered_rng(self, keep: bool = False) -> None:
+        """Set the RNG states of the recovered iteration: at the first ``train_step`` (then they
+        are done with), and at a save before it (``keep``: the data iterators built after it
+        draw from torch's generator again)."""
         if self.recovered_rng is not None:
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
             restore_rng([self.recovered_rng], get_cuda_rng_tracker())
-            self.recovered_rng = None
+            if not keep:
+                self.recovered_rng = None
+
+    def owed_base(self) -> int | None:
+        """The recovered iteration, when Megatron-LM's loop would have saved a base there (a
+        multiple of ``--save-interval``) and the crash kept it from being published: Megatron-LM
+        saves at the end of training only off those multiples, so without this a job recovered
+        onto its last iteration would end without its final base."""
+        from megatron.training import get_args
+
+        args = get_args()
+        if self.manager is None or self.base_loaded is None or not args.save_interval:
+            return None
+        if args.iteration > self.base_loaded and args.iteration % args.save_interval == 0:
+            return args.iteration
+        return None
 
     def after_step(self, train_s: float) -> None:
         """After each train_step: the iteration's differential, the shard map. All ranks."""
@@ -275,7 +292,7 @@ class _Run:
             request, self.captured = self.captured, None
             return request
 
-        self.restore_recovered_rng()  # Megatron-LM's save reads the RNG states
+        self.restore_recovered_rng(keep=True)  # Megatron-LM's save reads the RNG states
         self.saving = iteration
         try:
             manager.save_base(iteration, save)
@@ -297,11 +314,27 @@ RUN = _Run()
 
 
 def _setup_wrapper(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def setup_model_and_optimizer(*args, **kwargs):
         start = time.perf_counter()
         model, optimizer, scheduler = original(*args, **kwargs)
         RUN.begin(model, optimizer, scheduler, time.perf_counter() - start)
+        owed = RUN.owed_base()
+        if owed is not None:
+            from megatron.training import get_args, training
+
+            logger.info("saving the base of the recovered iteration %d (--save-interval)", owed)
+            context = signature.bind(*args, **kwargs).arguments.get("checkpointing_context")
+            training.save_checkpoint(
+                owed,
+                model,
+                optimizer,
+                scheduler,
+                get_args().num_floating_point_operations_so_far,
+                checkpointing_context=context,
+            )
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
