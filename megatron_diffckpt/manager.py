@@ -42,8 +42,9 @@ from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.lowdiff import LowDiffStrategy
-from megatron_diffckpt.patches import optimizer_layout, optimizer_step
+from megatron_diffckpt.patches import base_checkpoint, optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlusStrategy
 from megatron_diffckpt.shard_map import ShardMapError, build_shard_map, write_shard_map
 from megatron_diffckpt.storage.format import SegmentIdentity
@@ -158,6 +159,7 @@ class DiffCheckpointManager:
         read_s = time.perf_counter() - start
         for problem in scan.problems:
             logger.warning("diff log %s: %s", self.identity.dirname(), problem)
+        self._refuse_another_layout(scan, base_iteration)
         target = recovery.agree_on_iteration(scan)
         records = [r for r in scan.records if r.iteration <= target]
         logger.info(
@@ -188,6 +190,22 @@ class DiffCheckpointManager:
         if last is None:
             return target, None, None
         return target, last.scalars["scheduler_steps"], last.scalars["consumed_samples"]
+
+    def _refuse_another_layout(self, scan: Any, base_iteration: int) -> None:
+        """Differentials after the base written by this run under another optimizer shard layout
+        (another TP, PP or DP size, or another model): replaying them is impossible, and
+        resuming from the base alone would silently drop them. All ranks, collectively."""
+        foreign = scan.foreign
+        mine = foreign is not None and foreign.run_id == self.identity.run_id
+        if recovery.all_reduce_min([0 if mine else 1])[0] == 1:
+            return
+        where = f" (this rank's log holds {foreign})" if mine else ""
+        raise DiffCkptUsageError(
+            f"the diff log {self.dir} holds differentials after base {base_iteration} written "
+            f"under another parallel layout or model than this run's{where}; resume with the "
+            "layout and model flags that wrote them, or first merge them into a base "
+            f"(megatron-diffckpt merge {self.save_dir} --out DIR2) and --load DIR2"
+        )
 
     def record_shard_map(
         self, make_sharded_state_dict: Callable[[], dict], parallel: tuple[int, int, int]
@@ -240,6 +258,7 @@ class DiffCheckpointManager:
         """
         self.full_interval = full_interval
         self._last_base = iteration
+        base_checkpoint.warm_up_writer()  # the first base then costs what later ones cost
         if self._recovery is None and os.path.isdir(self.rank_dir):
             # A start without recovery (training from scratch into a folder that holds a log):
             # differentials after ``iteration`` belong to an earlier incarnation and must never
@@ -359,7 +378,8 @@ class DiffCheckpointManager:
         protocol: :mod:`megatron_diffckpt.strategy`), from the training state (LowDiff) or from
         the host replica (LowDiff+, written in the background). Returns the seconds training was
         blocked. All ranks, collectively."""
-        blocked = self.strategy.save_base(iteration, save)
+        waited = base_checkpoint.wait_for_writer()
+        blocked = waited + self.strategy.save_base(iteration, save)
         self.on_base_saved(iteration, blocked)
         return blocked
 

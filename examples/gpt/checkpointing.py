@@ -28,7 +28,11 @@ from megatron_diffckpt.checkpoint_layout import (
     find_latest_iteration,
     publish_iteration,
 )
-from megatron_diffckpt.patches.base_checkpoint import load_residuals, residuals_state
+from megatron_diffckpt.patches.base_checkpoint import (
+    check_base_shapes,
+    load_residuals,
+    residuals_state,
+)
 from megatron_diffckpt.strategy import BaseSource, SaveBase
 
 logger = logging.getLogger("pretrain_gpt")
@@ -232,6 +236,7 @@ class Checkpointer:
         ckpt = checkpoint_dir(load_dir, iteration)
         start = time.perf_counter()
         template = _sharded_state_dict(model, optimizer, scheduler, 0, 0, True)
+        check_base_shapes(template, ckpt)
         state = dist_checkpointing.load(template, ckpt)
         if residuals is not None:
             load_residuals(ckpt, residuals)

@@ -310,6 +310,17 @@ def _dump_dir(args, iteration: int) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
+    from megatron_diffckpt.errors import DiffCkptUsageError
+
+    try:
+        return train(args)
+    except DiffCkptUsageError as exc:  # a wrong resume: what differs, in one line, exit code 2
+        logger.error("pretrain_gpt.py: error: %s", exc)
+        return 2
+
+
+def train(args) -> int:
+    """Build, load or recover, train, save. All ranks."""
 
     from checkpointing import Checkpointer, base_layout
     from data import TokenWindows, batch_iterator, load_tokens
@@ -355,6 +366,7 @@ def main(argv=None) -> int:
         )
 
     iteration, consumed = 0, 0
+    saved = 0  # the iteration of the base --load loaded
     if args.load_missing is not None:  # Megatron-LM's behaviour: warn, start from scratch
         logger.warning(
             "WARNING: --load %s: will not load any checkpoint and will start from random "
@@ -372,6 +384,7 @@ def main(argv=None) -> int:
             iteration, consumed = Checkpointer.load(
                 args.load, model, optimizer, scheduler, residuals
             )
+        saved = iteration
         if manager is not None:
             iteration, scheduler_steps, replayed_consumed = manager.recover(
                 iteration, base_load_s=time.perf_counter() - load_start
@@ -409,6 +422,19 @@ def main(argv=None) -> int:
     forward_backward = get_forward_backward_func()
     model.train()
 
+    def save_base(iteration: int, consumed: int) -> float:
+        """A base of ``iteration`` (through the manager when there is one); blocked seconds."""
+        if manager is not None:
+            save = checkpointer.base_saver(model, scheduler, iteration, consumed)
+            return manager.save_base(iteration, save)
+        return checkpointer.save(model, optimizer, scheduler, iteration, consumed)
+
+    if args.save is not None and saved < iteration >= args.train_iters:
+        # Recovered onto the last iteration (killed before its base was published): the job
+        # still ends with its final base, as one that trained to the end.
+        logger.info("saving the base of the recovered iteration %d (end of training)", iteration)
+        save_base(iteration, consumed)
+
     losses: list[float] = []
     skipped = 0
     # Accumulated over the log interval, as Megatron-LM reports them.
@@ -440,13 +466,7 @@ def main(argv=None) -> int:
             due = args.base_interval is not None and iteration % args.base_interval == 0
         if args.save is not None and (due or stop or iteration == args.train_iters):
             with observer.timer("save-checkpoint"):
-                if manager is not None:
-                    save = checkpointer.base_saver(model, scheduler, iteration, consumed)
-                    interval["ckpt"] += manager.save_base(iteration, save)
-                else:
-                    interval["ckpt"] += checkpointer.save(
-                        model, optimizer, scheduler, iteration, consumed
-                    )
+                interval["ckpt"] += save_base(iteration, consumed)
         interval["time"] += time.perf_counter() - start
         interval["loss"] += loss_value
         interval["iters"] += 1

@@ -14,6 +14,11 @@ this module holds what they share, so that no training loop copies it:
   thread) and ``finalize`` (metadata last, then the loop's own finalize functions, e.g. the
   tracker: all ranks together, once every rank has written). The request's fields are
   drift-checked (``AsyncRequest`` is a ``NamedTuple`` in the tested releases).
+- :func:`warm_up_writer` / :func:`wait_for_writer`: megatron's checkpoint writer starts a
+  ``multiprocessing`` manager by *spawn* the first time a process saves (a few seconds, on the
+  training thread, at the first base); the manager starts it at start-up on a background
+  thread instead, so the first base costs what later ones cost.
+- :func:`check_base_shapes`: a base of another model is refused in one line.
 
 Collective rule: :func:`load_residuals` is called by all ranks together; ``finalize`` of
 :func:`split_async_request` too; the rest by any rank.
@@ -22,14 +27,18 @@ Collective rule: :func:`load_residuals` is called by all ranks together; ``final
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
 
 logger = logging.getLogger(__name__)
 
 _ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
+_FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 # Drift check only: split_async_request reads these fields and runs them as megatron's own
 # AsyncRequest.execute_sync does (stage with preload_fn, then async_fn), minus its barrier.
@@ -43,6 +52,12 @@ PATCHES = PatchSet(
             make_wrapper=lambda original: original,
             purpose="write a LowDiff+ base from the replica on the persister thread",
             requires=((f"{_ASYNC}:AsyncRequest.execute_sync", "(self) -> None"),),
+        ),
+        MethodPatch(
+            target=f"{_FS_ASYNC}:_get_write_results_queue",
+            expected_signature="()",
+            make_wrapper=lambda original: original,
+            purpose="start megatron's checkpoint writer at start-up, off the training path",
         ),
     )
 )
@@ -131,3 +146,74 @@ def split_async_request(request: Any) -> tuple[Callable[[], None], Callable[[], 
             fn()
 
     return write, finalize
+
+
+_WARM_UP: Future | None = None
+
+
+def warm_up_writer() -> Future:
+    """Start megatron's checkpoint writer machinery (the results queue of its file writer, a
+    ``multiprocessing`` manager started by spawn) on a background thread; logs when it is
+    ready. Any rank; idempotent (once per process). Returns the future of the seconds it took."""
+    global _WARM_UP
+    if _WARM_UP is None:
+        check_drift()
+        import importlib
+
+        module = importlib.import_module(_FS_ASYNC)
+
+        def warm() -> float:
+            start = time.perf_counter()
+            module._get_write_results_queue()
+            return time.perf_counter() - start
+
+        def report(done: Future) -> None:
+            if done.exception() is not None:
+                logger.warning("checkpoint writer did not start: %s", done.exception())
+            else:
+                logger.info(
+                    "checkpoint writer ready in %.2f s (started off the training path)",
+                    done.result(),
+                )
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="diffckpt-writer-warm-up")
+        _WARM_UP = pool.submit(warm)
+        _WARM_UP.add_done_callback(report)
+        pool.shutdown(wait=False)
+    return _WARM_UP
+
+
+def wait_for_writer() -> float:
+    """Before a base: wait for :func:`warm_up_writer` to finish (so that the save does not start
+    a second writer). Returns the seconds waited (0 once it is ready, or without a warm-up)."""
+    if _WARM_UP is None or _WARM_UP.done():
+        return 0.0
+    start = time.perf_counter()
+    _WARM_UP.exception()  # wait; a failed warm-up leaves megatron to start it at the save
+    return time.perf_counter() - start
+
+
+def check_base_shapes(sharded_state_dict: dict, checkpoint: str) -> None:
+    """Refuse, in one line, a base whose tensors have other global shapes than this run's
+    (another model: hidden size, layers, vocabulary, sequence length) before megatron fails
+    deep inside its load. Any rank (reads the checkpoint's metadata)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = dist_checkpointing.load_tensors_metadata(checkpoint)
+    shapes = {t.key: tuple(t.global_shape) for t in nested_values(saved)}
+    differ = []
+    for t in nested_values(sharded_state_dict):
+        if isinstance(t, ShardedTensor) and t.key in shapes:
+            if shapes[t.key] != tuple(t.global_shape):
+                differ.append(
+                    f"{t.key} is {list(shapes[t.key])} there, {list(t.global_shape)} here"
+                )
+    if differ:
+        more = f" (and {len(differ) - 2} more)" if len(differ) > 2 else ""
+        raise DiffCkptUsageError(
+            f"{checkpoint} holds another model than this run builds: {'; '.join(differ[:2])}"
+            f"{more}; resume with the model flags that saved it (--num-layers, --hidden-size, "
+            "--seq-length, vocabulary, ...)"
+        )

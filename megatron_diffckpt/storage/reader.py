@@ -120,6 +120,9 @@ class RankLogScan:
     start: int
     records: list[DiffRecord] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    foreign: SegmentIdentity | None = None
+    """The identity of a segment after ``start`` that belongs to another rank, run or layout
+    (the first one met), e.g. differentials written under another parallel layout."""
 
     @property
     def last_iteration(self) -> int:
@@ -146,6 +149,8 @@ def scan_rank_log(rank_dir: str, identity: SegmentIdentity, start: int) -> RankL
             ended_at = i + 1
             break
         scan = read_segment(path, identity)
+        if scan.header is not None and scan.header.identity != identity:
+            result.foreign = result.foreign or scan.header.identity
         if (
             scan.error is None
             and scan.header is not None
