@@ -5,6 +5,8 @@ Call sequence, every call on all ranks::
     manager = DiffCheckpointManager(config, save_dir, optimizer, rng_tracker, coords, chunks)
     iteration, scheduler_steps, consumed = manager.recover(base_iteration)  # base loaded first
     manager.start(iteration, full_interval)
+    if manager.base_due(iteration):                     # a fresh job: its base at the start
+        manager.save_base(iteration, save)
     for each iteration:
         optimizer.step(); scheduler.step(...)          # the hooks capture inside step()
         manager.end_iteration(iteration, scheduler.num_steps, consumed, train_seconds)
@@ -136,6 +138,7 @@ class DiffCheckpointManager:
         self.tuner: OnlineTuner | None = None
         self.full_interval = 0  # F; set by start()
         self._last_base = 0
+        self._start_base: int | None = None  # a fresh job's starting point, until it is saved
         self._base_saved: tuple[int, float, float] | None = None  # (iteration, start, stall)
         self._published: dict[int, float] = {}  # base iteration -> when it was published
         self._published_bases: list[int] = []
@@ -258,6 +261,11 @@ class DiffCheckpointManager:
         """
         self.full_interval = full_interval
         self._last_base = iteration
+        # A job that starts without a base to recover from (from scratch) has no recoverable
+        # state until its first base: the training loop saves one at the start (base_due), in
+        # the background where its saves are asynchronous (LowDiff+: always), and every
+        # iteration after it is recoverable from then on.
+        self._start_base = iteration if self._recovery is None else None
         base_checkpoint.warm_up_writer()  # the first base then costs what later ones cost
         if self._recovery is None and os.path.isdir(self.rank_dir):
             # A start without recovery (training from scratch into a folder that holds a log):
@@ -365,8 +373,12 @@ class DiffCheckpointManager:
         """Whether ``iteration`` ends with a base. Any rank (all agree).
 
         Fixed F: Megatron's rule, every multiple of F. Auto-tuned F: F iterations after the
-        newest base, so a new F applies from the newest base on.
+        newest base, so a new F applies from the newest base on. A job that started without
+        recovering (from scratch) has its base due at the iteration it started from, until
+        that base is saved.
         """
+        if self._start_base is not None and iteration == self._start_base:
+            return True
         if self.full_interval < 1:
             return False
         if self.tuner is None:
@@ -391,6 +403,7 @@ class DiffCheckpointManager:
         this call, an asynchronous one after.
         """
         self._last_base = iteration
+        self._start_base = None
         self._base_saved = (iteration, time.perf_counter() - blocked_s, blocked_s)
         self._observe_base(iteration)
 

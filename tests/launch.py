@@ -78,8 +78,8 @@ def run_until_killed(
     script: Path = PRETRAIN_GPT,
 ) -> str:
     """Start a 2-process training; SIGKILL every process once ``kill_after`` iterations were
-    logged and ``kill_when_exists`` (a path, or all of a list) is on disk (either alone when the
-    other is not given).
+    logged and ``kill_when_exists`` (a path, or all of a list; a callable in the list is a
+    condition that must hold) is on disk (either alone when the other is not given).
     Returns the output so far."""
     cmd = [
         sys.executable,
@@ -116,7 +116,7 @@ def run_until_killed(
     try:
         while True:
             logged = pattern is None or reached.is_set()
-            if logged and all(p.exists() for p in waited):
+            if logged and all(p() if callable(p) else p.exists() for p in waited):
                 break
             assert proc.poll() is None, "training ended before the kill point:\n" + "".join(
                 lines[-40:]
@@ -128,6 +128,20 @@ def run_until_killed(
     finally:
         kill_tree(proc)
     return "".join(lines)
+
+
+def tracker_at(ckpt: Path, iteration: int):
+    """A condition for :func:`run_until_killed`: ``ckpt``'s tracker names ``iteration`` or a
+    later base (a job from scratch publishes its base 0 first)."""
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+
+    def published() -> bool:
+        try:
+            return int(tracker.read_text()) >= iteration
+        except (OSError, ValueError):
+            return False
+
+    return published
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

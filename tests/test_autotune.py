@@ -110,7 +110,7 @@ def test_training_follows_the_agreed_decisions(tmp_path):
     assert decisions, "the tuner never changed F"
     saved = sorted({int(m) for m in re.findall(r"saved checkpoint from iteration (\d+) ", log)})
     # Replay Megatron's loop with the agreed F: a base F iterations after the newest one.
-    expected, last, f = [], 0, 3
+    expected, last, f = [0], 0, 3  # a job from scratch saves its starting point
     changes = dict(decisions)
     for it in range(1, 25):
         f = changes.get(it, f)  # decided in end_iteration, before the loop asks for a base

@@ -28,6 +28,7 @@ from launch import (
     run_gpt,
     run_script,
     run_until_killed,
+    tracker_at,
 )
 
 from megatron_diffckpt import cli
@@ -170,7 +171,7 @@ def test_sigkill_while_merging_recovers_exactly_from_base_and_differentials(tmp_
     run_until_killed(
         [*args, "--train-iters", "1000", *_plus(ckpt, 4)],
         kill_after=7,
-        kill_when_exists=ckpt / "latest_checkpointed_iteration.txt",  # base 4 published
+        kill_when_exists=[tracker_at(ckpt, 4)],  # base 4 published
     )
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() in ("4", "8")
     base = int((ckpt / "latest_checkpointed_iteration.txt").read_text())

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, _env, run_cli, run_gpt, run_until_killed
+from launch import REPO, _env, run_cli, run_gpt, run_until_killed, tracker_at
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
 SCRIPT = REPO / "examples" / "gpt" / "pretrain_gpt_diffckpt.py"
@@ -311,15 +311,40 @@ def test_recovered_onto_its_last_iteration_the_job_still_ends_with_its_final_bas
     args = [*GPT, *flags.split(), "--save", str(ckpt), "--save-interval", "5",
             "--diffckpt-mode", "lowdiff-plus"]  # fmt: skip
     durable = [ckpt / "diffckpt" / n / "seg_0000000010_0000000010.bin" for n in rank_dirs]
-    tracker = ckpt / "latest_checkpointed_iteration.txt"  # base 5 published
-    run_until_killed([*args, "--train-iters", "10"], 10, [*durable, tracker], SCRIPT)
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    run_until_killed([*args, "--train-iters", "10"], 10, [*durable, tracker_at(ckpt, 5)], SCRIPT)
     base = tracker.read_text()
     log = _run(*args, "--train-iters", "10", "--load", str(ckpt))
     assert re.search(rf"recovered to iteration 10 \(base {base}\)", log), log[-3000:]
     if base == "5":  # killed before base 10 was published (the usual case)
-        assert "saving the base of the recovered iteration 10" in log
+        assert "saving the base of iteration 10 (the recovered iteration)" in log
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "10"
     _assert_same_checkpoint(straight / "iter_0000010", ckpt / "iter_0000010", ckpt / "diffckpt")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["lowdiff", "lowdiff-plus"])
+def test_killed_before_its_first_interval_base_the_job_recovers_from_its_start(
+    tmp_path, mode, straight_runs
+):
+    """A job from scratch saves its starting point (base 0) as it starts: killed after
+    iteration 2, long before its first --save-interval base, it loses at most B iterations
+    (LowDiff) or B + --diffckpt-max-pending (LowDiff+), and ends equal to uninterrupted
+    training."""
+    flags, rank_dirs = LAYOUTS["dp2-async-save"]
+    straight, expected_losses = straight_runs("dp2-async-save")
+    ckpt = tmp_path / "ckpt"
+    args = [*GPT, *flags.split(), "--save", str(ckpt), "--save-interval", "10",
+            "--diffckpt-mode", mode]  # fmt: skip
+    killed = run_until_killed(
+        [*args, "--train-iters", str(TOTAL)], 2, [tracker_at(ckpt, 0)], SCRIPT
+    )
+    last = max(int(i) for i in re.findall(r"iteration +(\d+)/", killed))
+    start, losses, _ = _recover(args, ckpt, "0")
+    assert last - start <= (1 if mode == "lowdiff" else 3), (last, start)
+    assert {i: expected_losses[i] for i in losses} == losses
+    final = f"iter_{TOTAL:07d}"
+    _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
 
 
 @pytest.mark.distributed
@@ -394,7 +419,7 @@ def test_auto_tune_moves_megatron_lms_save_interval(tmp_path):
     }
     assert changes, "the tuner never changed F"
     saved = sorted({int(m) for m in re.findall(r"saved checkpoint from iteration +(\d+) ", log)})
-    expected, f = [], 3
+    expected, f = [0], 3  # a job from scratch saves its starting point
     for it in range(1, 25):  # Megatron-LM's rule, with the interval decided after the step
         f = changes.get(it, f)
         if it % f == 0 or it == 24:

@@ -13,7 +13,15 @@ import json
 
 import pytest
 import torch
-from launch import TINY_GPT, assert_same_state, load_dumps, run_cli, run_gpt, run_until_killed
+from launch import (
+    TINY_GPT,
+    assert_same_state,
+    load_dumps,
+    run_cli,
+    run_gpt,
+    run_until_killed,
+    tracker_at,
+)
 
 from megatron_diffckpt import offline_merge
 from megatron_diffckpt.shard_map import SHARD_MAP_FILE, read_shard_map
@@ -58,7 +66,8 @@ def test_merged_base_resumes_like_uninterrupted_training(tmp_path, layout):
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     segment = f"seg_{MERGE_AT:010d}_{MERGE_AT:010d}.bin"
     segments = [ckpt / "diffckpt" / name / segment for name in rank_dirs]
-    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER, [tracker, *segments])
+    waited = [tracker_at(ckpt, BASE_INTERVAL), *segments]
+    run_until_killed([*common, "--train-iters", "1000", *diff], KILL_AFTER, waited)
     assert tracker.read_text() == str(BASE_INTERVAL)
     maps = sorted((ckpt / "diffckpt").glob(f"rank_*/{SHARD_MAP_FILE}"))
     assert len(maps) == 2

@@ -24,11 +24,11 @@ train=(--train-iters "$iters" --log-interval 1 --overlap-grad-reduce
 job=("${train[@]}" --save "$ckpt" --save-interval 10 --async-save
      --diffckpt-mode lowdiff --diffckpt-batch-size 1 --diffckpt-keep-bases 2)
 
-echo "== 1. LowDiff training ($compressor exchange); one rank gets SIGKILL at iteration $kill_at (or, if later, once the first base is published) =="
+echo "== 1. LowDiff training ($compressor exchange); one rank gets SIGKILL at iteration $kill_at (or, if later, once base 10 is published) =="
 "$here/run_local.sh" "${job[@]}" > "$out/crashed.log" 2>&1 &
 launcher=$!
-# Kill once iteration $kill_at has run and the first base is published (before it, there is
-# nothing to recover from: --load would refuse the folder).
+# Kill once iteration $kill_at has run and base 10 is published (the job's base 0, saved as it
+# starts, would do as well; after base 10 the restart shows a shorter replay).
 until grep -qE "iteration +$kill_at/" "$out/crashed.log" 2>/dev/null \
         && grep -q "saved checkpoint from iteration 10 " "$out/crashed.log"; do
     kill -0 "$launcher" 2>/dev/null || { tail -30 "$out/crashed.log"; exit 1; }

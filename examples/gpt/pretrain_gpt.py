@@ -434,6 +434,11 @@ def train(args) -> int:
         # still ends with its final base, as one that trained to the end.
         logger.info("saving the base of the recovered iteration %d (end of training)", iteration)
         save_base(iteration, consumed)
+    elif args.save is not None and manager is not None and manager.base_due(iteration):
+        # A job from scratch: its starting point is a base too, so that every iteration is
+        # recoverable from the first on (asynchronous with --async-save and with LowDiff+).
+        logger.info("saving the base of iteration %d, where this job starts", iteration)
+        save_base(iteration, consumed)
 
     losses: list[float] = []
     skipped = 0

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.capture import capture_rng, restore_rng
-from megatron_diffckpt.checkpoint_layout import checkpoint_dir
+from megatron_diffckpt.checkpoint_layout import checkpoint_dir, has_tracker
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.patches import base_checkpoint, grad_sync
@@ -137,7 +137,13 @@ class _Run:
         self.exchange = grad_sync.attach_compressor(
             model, self.config.compressor, self.config.topk_ratio
         )
-        loaded = args.load is not None and args.iteration > 0
+        # Megatron-LM loaded the base its tracker names (iteration 0 included: a job's start).
+        loaded = (
+            args.load is not None
+            and has_tracker(args.load)
+            and not getattr(args, "finetune", False)
+            and getattr(args, "ckpt_step", None) is None
+        )
         if self.exchange is not None and loaded:
             base_checkpoint.load_residuals(
                 checkpoint_dir(args.load, args.iteration), self.exchange.residuals
@@ -182,19 +188,19 @@ class _Run:
             if not keep:
                 self.recovered_rng = None
 
-    def owed_base(self) -> int | None:
-        """The recovered iteration, when Megatron-LM's loop would have saved a base there (a
-        multiple of ``--save-interval``) and the crash kept it from being published: Megatron-LM
-        saves at the end of training only off those multiples, so without this a job recovered
-        onto its last iteration would end without its final base."""
+    def base_now(self) -> int | None:
+        """The iteration training starts from, when a base is due there before the first
+        iteration: a job from scratch (its starting point, so that every iteration is
+        recoverable from the first on), or a recovered iteration where Megatron-LM's loop would
+        have saved a base (a multiple of ``--save-interval``) and the crash kept it from being
+        published (Megatron-LM saves at the end of training only off those multiples, so a job
+        recovered onto its last iteration would end without its final base)."""
         from megatron.training import get_args
 
-        args = get_args()
-        if self.manager is None or self.base_loaded is None or not args.save_interval:
+        iteration = get_args().iteration
+        if self.manager is None or iteration == self.base_loaded:
             return None
-        if args.iteration > self.base_loaded and args.iteration % args.save_interval == 0:
-            return args.iteration
-        return None
+        return iteration if self.manager.base_due(iteration) else None
 
     def after_step(self, train_s: float) -> None:
         """After each train_step: the iteration's differential, the shard map. All ranks."""
@@ -321,14 +327,15 @@ def _setup_wrapper(original: Callable) -> Callable:
         start = time.perf_counter()
         model, optimizer, scheduler = original(*args, **kwargs)
         RUN.begin(model, optimizer, scheduler, time.perf_counter() - start)
-        owed = RUN.owed_base()
-        if owed is not None:
+        now = RUN.base_now()
+        if now is not None:
             from megatron.training import get_args, training
 
-            logger.info("saving the base of the recovered iteration %d (--save-interval)", owed)
+            why = "the recovered iteration" if RUN.base_loaded is not None else "the start"
+            logger.info("saving the base of iteration %d (%s)", now, why)
             context = signature.bind(*args, **kwargs).arguments.get("checkpointing_context")
             training.save_checkpoint(
-                owed,
+                now,
                 model,
                 optimizer,
                 scheduler,
