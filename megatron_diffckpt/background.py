@@ -1,5 +1,6 @@
 """megatron-diffckpt's background threads (diff writer, replica merger, base persister): their
-CPU priority, and the worker thread the writer and the merger share.
+CPU priority, the worker thread the writer and the merger share, and the rule that processes a
+rank starts die with it.
 
 They run beside the training thread in the same process. On a GPU node the host cores are mostly
 idle and priority does not matter; on a busy host (CPU training, data loading on every core) the
@@ -11,8 +12,11 @@ keeps its priority.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -104,3 +108,55 @@ class BackgroundWorker:
                     self._on_error(exc)
             finally:
                 self._queue.task_done()
+
+
+# Linux prctl(2) option: the signal a process gets when the thread that started it ends.
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError):  # not Linux
+        return None
+
+
+_PRCTL = _prctl()  # resolved once here: a forked child should not load libraries
+
+
+def die_with_parent() -> bool:
+    """Make the calling process get SIGKILL when the thread that started it ends (Linux
+    ``PR_SET_PDEATHSIG``), and end now if that already happened. Returns whether it took effect
+    (not on other systems)."""
+    parent = os.getppid()
+    if _PRCTL is None or _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        return False
+    if os.getppid() != parent or parent == 1:  # the parent died before the prctl
+        os._exit(1)
+    return True
+
+
+_FORK_HOOK = False
+
+
+def children_die_with_this_process() -> None:
+    """Every process this one forks from now on (megatron's checkpoint writers fork) gets SIGKILL
+    when the thread that forked it ends, so that nothing a killed rank started outlives it, under
+    any launcher (a leftover writer of an older incarnation could otherwise still be writing
+    while a restarted job uses the same folder). The forking threads (the training thread,
+    megatron's async caller, the LowDiff+ persister) wait for their writers, so a writer ends
+    before its thread does unless the process dies. Any process; idempotent."""
+    global _FORK_HOOK
+    if not _FORK_HOOK:
+        os.register_at_fork(after_in_child=die_with_parent)
+        _FORK_HOOK = True
+
+
+def die_with_parent_if_spawned() -> None:
+    """For an entry script: when this interpreter is a helper that ``multiprocessing`` started by
+    *spawn* (it re-imports the script; megatron's checkpoint writer starts its results manager
+    that way), let it die with the rank that started it. Spawned processes do not run fork
+    hooks. (The spawned interpreter's ``sys.argv`` is the parent's while it re-imports the
+    script; its own command line is ``sys.orig_argv``.)"""
+    if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):
+        die_with_parent()

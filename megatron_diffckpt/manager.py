@@ -41,6 +41,7 @@ import torch
 
 from megatron_diffckpt import recovery, retention
 from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
+from megatron_diffckpt.background import children_die_with_this_process
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
@@ -266,6 +267,7 @@ class DiffCheckpointManager:
         # the background where its saves are asynchronous (LowDiff+: always), and every
         # iteration after it is recoverable from then on.
         self._start_base = iteration if self._recovery is None else None
+        children_die_with_this_process()  # megatron's writers never outlive a killed rank
         base_checkpoint.warm_up_writer()  # the first base then costs what later ones cost
         if self._recovery is None and os.path.isdir(self.rank_dir):
             # A start without recovery (training from scratch into a folder that holds a log):

@@ -175,6 +175,7 @@ def test_prune_dry_run_lists_then_prune_removes_what_no_kept_base_replays(tmp_pa
     assert not (tmp_path / "iter_0000002").exists() and (tmp_path / "iter_0000004").exists()
     kept = sorted(p.name for p in (tmp_path / "diffckpt" / "rank_0_0_0").iterdir())
     # Segments ending at or before base 4 (the oldest kept) go; the rest stay.
-    assert kept == [n for n in before if int(n.split("_")[2].split(".")[0]) > 4]
+    segments = [n for n in before if n.startswith("seg_")]
+    assert kept == ["owner"] + [n for n in segments if int(n.split("_")[2].split(".")[0]) > 4]
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     assert main(["prune", str(tmp_path), "--keep", "0"]) == 2

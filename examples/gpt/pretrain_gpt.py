@@ -33,6 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from arguments import parse_args  # noqa: E402
 
+from megatron_diffckpt.background import die_with_parent_if_spawned  # noqa: E402
+
+die_with_parent_if_spawned()  # a helper megatron's checkpoint writer spawned: dies with its rank
+
 logger = logging.getLogger("pretrain_gpt")
 
 # Expected on a machine without transformer-engine/apex, or raised by megatron-core's own calls;

@@ -32,6 +32,10 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
+from megatron_diffckpt.background import die_with_parent_if_spawned  # noqa: E402
+
+die_with_parent_if_spawned()  # a helper megatron's checkpoint writer spawned: dies with its rank
+
 # Flags CPU processes need, with the values they need (Megatron-LM defaults to NCCL, fused CUDA
 # kernels and TransformerEngine).
 CPU_FLAGS = {

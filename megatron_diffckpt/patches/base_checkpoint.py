@@ -27,9 +27,10 @@ Collective rule: :func:`load_residuals` is called by all ranks together; ``final
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from megatron_diffckpt.errors import DiffCkptUsageError
@@ -176,10 +177,20 @@ def warm_up_writer() -> Future:
                     done.result(),
                 )
 
-        pool = ThreadPoolExecutor(1, thread_name_prefix="diffckpt-writer-warm-up")
-        _WARM_UP = pool.submit(warm)
-        _WARM_UP.add_done_callback(report)
-        pool.shutdown(wait=False)
+        # The thread stays (idle) after the warm-up: the writer's manager process, which it
+        # starts, dies when its starting thread ends (background.die_with_parent_if_spawned).
+        future: Future = Future()
+        future.add_done_callback(report)
+
+        def run() -> None:
+            try:
+                future.set_result(warm())
+            except BaseException as exc:  # noqa: BLE001 - reported by the callback
+                future.set_exception(exc)
+            threading.Event().wait()
+
+        threading.Thread(target=run, name="diffckpt-writer-warm-up", daemon=True).start()
+        _WARM_UP = future
     return _WARM_UP
 
 

@@ -18,11 +18,13 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
 from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
@@ -60,8 +62,21 @@ class SegmentSample:
     """fsync, rename and folder fsync: the fixed cost of a write."""
 
 
+OWNER_FILE = "owner"
+"""In a rank's folder: the token of the writer that holds it (the newest incarnation)."""
+
+
+class DiffLogOwnershipError(DiffCkptError):
+    """A newer incarnation of this rank took over its diff-log folder."""
+
+
 class DiffLogWriter:
     """Writes one rank's differentials as segments of ``batch_size`` consecutive iterations.
+
+    One incarnation at a time: a writer takes the rank's folder over when it starts (a fresh
+    token in ``OWNER_FILE``) and checks the token before publishing each segment, so a leftover
+    process of an older incarnation (a rank that had not died yet when its job restarted) stops
+    instead of publishing into the newer incarnation's log.
 
     Args:
         root: the diff log folder (``SAVE/diffckpt``); this rank writes ``root/rank_T_P_D``.
@@ -96,6 +111,8 @@ class DiffLogWriter:
         self.when_full = when_full
         self.dir = os.path.join(root, identity.dirname())
         os.makedirs(self.dir, exist_ok=True)
+        self._token = uuid.uuid4().hex
+        publish_file(os.path.join(self.dir, OWNER_FILE), lambda f: f.write(self._token.encode()))
         self.stats = WriterStats()
         self._batch: list[DiffRecord] = []
         self._lock = threading.Lock()
@@ -208,6 +225,18 @@ class DiffLogWriter:
                 f"is {self.durable_iteration}"
             ) from self._worker.error
 
+    def _check_owner(self) -> None:
+        try:
+            with open(os.path.join(self.dir, OWNER_FILE), "rb") as f:
+                token = f.read().decode(errors="replace")
+        except OSError:
+            token = "<none>"
+        if token != self._token:
+            raise DiffLogOwnershipError(
+                f"{self.dir} is held by a newer incarnation of this rank; this process no longer "
+                "writes to it"
+            )
+
     def _failed(self, exc: BaseException) -> None:  # the worker thread; the next call raises it
         logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
 
@@ -216,6 +245,7 @@ class DiffLogWriter:
         first, last = batch[0].iteration, batch[-1].iteration
         header = SegmentHeader(self.identity, self.compressor, first, last, len(batch))
         final = os.path.join(self.dir, segment_filename(first, last))
+        self._check_owner()
         timed: list[float] = []
 
         def write(f):

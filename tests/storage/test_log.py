@@ -25,6 +25,7 @@ from megatron_diffckpt.storage import (
     scan_rank_log,
 )
 from megatron_diffckpt.storage import writer as writer_module
+from megatron_diffckpt.storage.writer import OWNER_FILE
 
 IDENTITY = SegmentIdentity("run-a", 0, 0, 1, "layout-1")
 OTHER_RANK = SegmentIdentity("run-a", 0, 0, 0, "layout-1")
@@ -48,7 +49,8 @@ def _rank_dir(root: Path, identity=IDENTITY) -> Path:
 
 
 def _segments(root: Path, identity=IDENTITY) -> list[str]:
-    return sorted(os.listdir(_rank_dir(root, identity)))
+    """Everything in the rank's folder but the owner token (no .tmp may be left)."""
+    return sorted(n for n in os.listdir(_rank_dir(root, identity)) if n != OWNER_FILE)
 
 
 def test_batches_become_published_segments(tmp_path):
@@ -261,3 +263,25 @@ def test_sigkill_mid_write_leaves_every_durable_iteration_readable(tmp_path, del
     for rec in scan.records:
         expected = torch.randn(1_000_000, generator=torch.Generator().manual_seed(rec.iteration))
         assert torch.equal(rec.tensors["grad"], expected)
+
+
+def test_an_older_incarnation_never_publishes_into_a_newer_ones_log(tmp_path):
+    """Two live writers of one rank (a restarted job while a rank of the old one still runs):
+    the older one stops at its next segment, with an error; the newer one's log is intact."""
+    old = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1)
+    old.append(_record(1))
+    old.flush()
+    new = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1, chain_start=1)
+    old.append(_record(2))
+    with pytest.raises(RuntimeError, match="failed") as exc:
+        old.flush()
+    assert isinstance(exc.value.__cause__, writer_module.DiffLogOwnershipError)
+    assert "newer incarnation" in str(exc.value.__cause__)
+    new.append(_record(2))
+    new.close()
+    with pytest.raises(RuntimeError):
+        old.close()
+    rank_dir = tmp_path / IDENTITY.dirname()
+    scan = scan_rank_log(str(rank_dir), IDENTITY, 0)
+    assert [r.iteration for r in scan.records] == [1, 2] and not scan.problems
+    assert torch.equal(scan.records[1].tensors["grad"], _record(2).tensors["grad"])

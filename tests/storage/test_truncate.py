@@ -8,6 +8,7 @@ import torch
 
 from megatron_diffckpt.recovery import truncate_log
 from megatron_diffckpt.storage import DiffLogWriter, DiffRecord, SegmentIdentity, scan_rank_log
+from megatron_diffckpt.storage.writer import OWNER_FILE
 
 IDENTITY = SegmentIdentity("run-a", 0, 0, 0, "layout-1")
 
@@ -20,7 +21,7 @@ def test_straddling_segment_is_rewritten_and_later_ones_removed(tmp_path):
     rank_dir = str(tmp_path / IDENTITY.dirname())
     scan = scan_rank_log(rank_dir, IDENTITY, 0)
     truncate_log(rank_dir, scan, 5)
-    assert sorted(os.listdir(rank_dir)) == [
+    assert sorted(n for n in os.listdir(rank_dir) if n != OWNER_FILE) == [
         "seg_0000000001_0000000003.bin",
         "seg_0000000004_0000000005.bin",
     ]
