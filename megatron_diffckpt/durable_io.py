@@ -7,6 +7,7 @@ never a torn one under the final name; a ``.tmp`` left behind is never read. Any
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import BinaryIO, TypeVar
@@ -24,12 +25,20 @@ def fsync_dir(path: str) -> None:
 
 
 def publish_file(path: str, write: Callable[[BinaryIO], T]) -> T:
-    """Write ``path`` through ``write(f)``; durable and visible at once when this returns."""
+    """Write ``path`` through ``write(f)``; durable and visible at once when this returns.
+
+    On an error (a full disk, say) the partial ``.tmp`` is removed and the error raised; the
+    previous ``path``, if any, is untouched."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        result = write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path) or ".")
     return result

@@ -314,11 +314,11 @@ def _dump_dir(args, iteration: int) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
-    from megatron_diffckpt.errors import DiffCkptUsageError
+    from megatron_diffckpt.errors import DiffCkptError
 
     try:
         return train(args)
-    except DiffCkptUsageError as exc:  # a wrong resume: what differs, in one line, exit code 2
+    except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
         logger.error("pretrain_gpt.py: error: %s", exc)
         return 2
 

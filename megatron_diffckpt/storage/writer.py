@@ -14,6 +14,7 @@ Any rank, no collectives: each rank writes only its own folder.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -70,6 +71,14 @@ class DiffLogOwnershipError(DiffCkptError):
     """A newer incarnation of this rank took over its diff-log folder."""
 
 
+class StorageFullError(DiffCkptError):
+    """The diff log's filesystem is full (``--diffckpt-when-full block``)."""
+
+
+# A write that failed for want of space (no space, quota, file size limit).
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 class DiffLogWriter:
     """Writes one rank's differentials as segments of ``batch_size`` consecutive iterations.
 
@@ -85,7 +94,9 @@ class DiffLogWriter:
         batch_size: iterations per segment (B).
         max_pending: segments that may wait for the background thread (bounds host memory at
             about ``(max_pending + 2) * batch_size`` records).
-        when_full: ``"block"`` (wait for the writer) or ``"skip"`` (drop the batch, warn).
+        when_full: when storage cannot keep up or is full: ``"block"`` (wait for the writer;
+            a full disk stops training with :class:`StorageFullError`) or ``"skip"`` (drop the
+            batch with one warning per incident, go on; durability waits for the next base).
         chain_start: the iteration of the base the first record follows.
     """
 
@@ -122,6 +133,7 @@ class DiffLogWriter:
         self._durable = chain_start
         self._after_gap: list[tuple[int, int]] = []
         self._samples: deque[SegmentSample] = deque(maxlen=256)
+        self._full_since: int | None = None  # first iteration skipped for a full disk
         self._worker = BackgroundWorker(
             "diffckpt-writer", self._write, maxsize=max_pending, on_error=self._failed
         )
@@ -219,11 +231,35 @@ class DiffLogWriter:
         self.stats.blocked_seconds += time.perf_counter() - start
 
     def _raise_background_error(self) -> None:
-        if self._worker.error is not None:
+        error = self._worker.error
+        if isinstance(error, StorageFullError):
+            raise StorageFullError(
+                f"{error}; the last durable iteration is {self.durable_iteration}: free space and "
+                "restart with --load, or run with --diffckpt-when-full skip"
+            ) from error.__cause__
+        if error is not None:
             raise RuntimeError(
                 f"diff log writer of {self.identity.dirname()} failed; the last durable iteration "
                 f"is {self.durable_iteration}"
             ) from self._worker.error
+
+    def _storage_full(self, batch: list[DiffRecord], exc: OSError) -> None:
+        """A segment did not fit: stop (block) or drop it with one warning per incident."""
+        what = f"{self.dir}: {os.strerror(exc.errno)}"
+        if self.when_full == "block":
+            raise StorageFullError(f"the diff log cannot be written, {what}") from exc
+        self.stats.skipped_records += len(batch)
+        if self._full_since is None:
+            self._full_since = batch[0].iteration
+            logger.warning(
+                "diff log %s: storage is full (%s): iterations from %d on are NOT written until "
+                "it has space again; durability stays at iteration %d until then and the next "
+                "base (--diffckpt-when-full skip)",
+                self.identity.dirname(),
+                what,
+                batch[0].iteration,
+                self.durable_iteration,
+            )
 
     def _check_owner(self) -> None:
         try:
@@ -253,7 +289,23 @@ class DiffLogWriter:
             timed.append(time.perf_counter() - start)
             return n
 
-        n = publish_file(final, write)
+        try:
+            n = publish_file(final, write)
+        except OSError as exc:
+            if exc.errno not in _FULL:
+                raise
+            self._storage_full(batch, exc)
+            return
+        if self._full_since is not None:
+            logger.warning(
+                "diff log %s: storage has space again at iteration %d (iterations %d-%d were not "
+                "written; durability resumes with the next base)",
+                self.identity.dirname(),
+                first,
+                self._full_since,
+                first - 1,
+            )
+            self._full_since = None
         total = time.perf_counter() - start
         with self._lock:
             self._after_gap.append((first, last))

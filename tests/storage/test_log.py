@@ -3,6 +3,7 @@ back-pressure handled as documented."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -285,3 +286,57 @@ def test_an_older_incarnation_never_publishes_into_a_newer_ones_log(tmp_path):
     scan = scan_rank_log(str(rank_dir), IDENTITY, 0)
     assert [r.iteration for r in scan.records] == [1, 2] and not scan.problems
     assert torch.equal(scan.records[1].tensors["grad"], _record(2).tensors["grad"])
+
+
+def _full_disk_for(iterations: set[int], monkeypatch) -> None:
+    """Segments starting at these iterations fail with ENOSPC, as on a full filesystem."""
+    original = writer_module.write_segment
+
+    def write_segment(f, header, records):
+        if header.first_iteration in iterations:
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(f, header, records)
+
+    monkeypatch.setattr(writer_module, "write_segment", write_segment)
+
+
+def test_full_disk_with_skip_goes_on_with_one_warning_per_incident(tmp_path, monkeypatch, caplog):
+    _full_disk_for({3, 4, 5}, monkeypatch)
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1, when_full="skip")
+    with caplog.at_level("WARNING"):
+        for it in range(1, 8):
+            w.append(_record(it))
+            w.flush()
+        w.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("storage is full" in m for m in warnings) == 1, warnings  # one incident
+    assert any("storage has space again at iteration 6" in m for m in warnings)
+    assert w.durable_iteration == 2 and w.stats.skipped_records == 3
+    # The valid prefix is intact, nothing partial is left, and a base rebases the chain.
+    assert _segments(tmp_path) == [
+        "seg_0000000001_0000000001.bin",
+        "seg_0000000002_0000000002.bin",
+        "seg_0000000006_0000000006.bin",
+        "seg_0000000007_0000000007.bin",
+    ]
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, 0)
+    assert [r.iteration for r in scan.records] == [1, 2]
+
+
+def test_full_disk_with_block_stops_with_one_clear_error(tmp_path, monkeypatch):
+    _full_disk_for({3}, monkeypatch)
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1, when_full="block")
+    for it in (1, 2, 3):
+        w.append(_record(it))
+    with pytest.raises(writer_module.StorageFullError) as exc:
+        w.flush()
+    message = str(exc.value)
+    assert "No space left on device" in message and "last durable iteration is 2" in message
+    assert "--diffckpt-when-full skip" in message and "\n" not in message
+    with pytest.raises(writer_module.StorageFullError):
+        w.close()
+    assert _segments(tmp_path) == [
+        "seg_0000000001_0000000001.bin",
+        "seg_0000000002_0000000002.bin",
+    ]
