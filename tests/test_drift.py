@@ -63,4 +63,10 @@ def test_every_patch_module_is_listed():
         for p in (REPO / "megatron_diffckpt" / "patches").glob("*.py")
         if p.stem not in ("__init__", "base")
     }
-    assert found == set(ALL_PATCHES) | set(MEGATRON_LM_PATCHES)
+    assert found == set(ALL_PATCHES)
+    integrations = {
+        f"megatron_diffckpt.integrations.{p.stem}"
+        for p in (REPO / "megatron_diffckpt" / "integrations").glob("*.py")
+        if p.stem != "__init__"
+    }
+    assert integrations == set(MEGATRON_LM_PATCHES)
