@@ -151,7 +151,10 @@ def kill_tree(proc: subprocess.Popen) -> None:
     except psutil.NoSuchProcess:  # it ended by itself: the caller's assertion says why
         victims = []
     for p in victims:
-        p.send_signal(signal.SIGKILL)
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:  # it ended in the meantime (a writer, a dying rank)
+            pass
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     psutil.wait_procs(victims, timeout=30)

@@ -163,6 +163,7 @@ def straight_runs(tmp_path_factory):
                        "--save-interval", "1")  # fmt: skip
             losses = _losses(log)
             assert sorted(losses) == list(range(1, TOTAL + 1))
+            del losses[2]  # Megatron-LM's second log line averages iterations 1 and 2
             done[layout] = (out, losses)
         return done[layout]
 
@@ -216,10 +217,17 @@ def _recover(args: list[str], ckpt: Path, base: str) -> tuple[int, dict[int, str
     return start, _resumed_losses(log, start), log
 
 
+def _assert_same_losses(got: dict[int, str], expected: dict[int, str]) -> None:
+    """The losses both runs logged for the same iterations are equal (as printed)."""
+    common = [i for i in got if i in expected]
+    assert common and {i: got[i] for i in common} == {i: expected[i] for i in common}
+
+
 def _resumed_losses(log: str, start: int) -> dict[int, str]:
-    """The losses a resumed run logged, less the line Megatron-LM averages: its first log line
-    after a resume that logs every iteration averages the losses of the first two iterations
-    (its own logging, with or without this package)."""
+    """The losses a resumed run logged, less the line Megatron-LM averages: a process's first
+    log line does not reset its accumulators, so with --log-interval 1 its second line averages
+    the losses of its first two iterations (its own logging, with or without this package; the
+    uninterrupted runs' line at 2 is left out for the same reason)."""
     losses = _losses(log)
     assert sorted(losses) == list(range(start + 1, TOTAL + 1)), log[-3000:]
     losses.pop(start + 2, None)
@@ -253,7 +261,7 @@ def test_lowdiff_sigkill_then_recovery_then_merge_equal_uninterrupted_training(
     assert "diffckpt-diff" in log
     assert re.search(r"diffckpt at iteration 12 \| recoverable lag: \d+ \| diff bytes per", log)
     assert start >= KILL_AFTER - 1
-    assert {i: expected_losses[i] for i in losses} == losses
+    _assert_same_losses(losses, expected_losses)
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
 
@@ -287,9 +295,9 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
     # the replica again) equals the uninterrupted run's.
     start, losses, log = _recover([*gpt, *plus], ckpt, tracker)
     assert start >= 11
-    assert {i: expected_losses[i] for i in losses} == losses
+    _assert_same_losses(losses, expected_losses)
     assert start == TOTAL or "merge backlog" in log  # the metrics line, when it trained on
-    if layout == "pp2":  # snapshot copies issued while a stage waits on its peer
+    if layout == "pp2" and TOTAL - start >= 2:  # copies issued while a stage waits on its peer
         traces = sorted((ckpt / "diffckpt" / "trace").glob("rank_*.json"))
         shares = [json.loads(t.read_text())["summary"]["share_in_bubbles"] for t in traces]
         assert len(shares) == 2 and max(shares) > 0, shares
@@ -342,7 +350,7 @@ def test_killed_before_its_first_interval_base_the_job_recovers_from_its_start(
     last = max(int(i) for i in re.findall(r"iteration +(\d+)/", killed))
     start, losses, _ = _recover(args, ckpt, "0")
     assert last - start <= (1 if mode == "lowdiff" else 3), (last, start)
-    assert {i: expected_losses[i] for i in losses} == losses
+    _assert_same_losses(losses, expected_losses)
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
 
@@ -399,7 +407,7 @@ def test_recovery_is_exact_with_megatrons_plain_optimizer_too(tmp_path):
     assert proc.returncode == 1 and "shard map" in proc.stderr
 
     start, losses, _ = _recover([*gpt, *diff], ckpt, "5")
-    assert losses and {i: expected_losses[i] for i in losses} == losses
+    _assert_same_losses(losses, expected_losses)
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, None)
 
