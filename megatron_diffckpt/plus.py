@@ -74,6 +74,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         trace_path: where :meth:`close` writes the recent iterations' snapshot trace (JSON).
     """
 
+    name = "lowdiff-plus"
+
     def __init__(
         self,
         optimizer: Any,
@@ -122,8 +124,6 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._submitted = 0
         self._persist: tuple[int, Future, Callable[[], None]] | None = None
         self.base_stall_seconds = 0.0
-
-    name = "lowdiff-plus"
 
     def start(self, iteration: int) -> None:
         """Anchor the replica to the training state after ``iteration`` and hook megatron."""
