@@ -436,6 +436,20 @@ def test_auto_tune_moves_megatron_lms_save_interval(tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_base_of_another_model_is_refused_in_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _run(*GPT, "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2")
+    wider = [*GPT, "--train-iters", "4", "--load", str(ckpt)]
+    wider[wider.index("--hidden-size") + 1] = "128"
+    proc = run_gpt(2, *wider, script=SCRIPT, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode: 2" in log, log[-3000:]
+    error = r"pretrain_gpt_diffckpt.py: error: \S+ holds another model than this run builds: "
+    assert re.search(error + r"\S+ is \[\d+, 64\] there, \[\d+, 128\] here", log), log[-3000:]
+    assert "megatron/core/dist_checkpointing" not in log.split("exitcode: 2")[0]
+
+
+@pytest.mark.distributed
 def test_unsupported_settings_are_refused_with_the_flag_to_change(tmp_path):
     gpt = list(GPT)
     gpt.remove("--use-distributed-optimizer")

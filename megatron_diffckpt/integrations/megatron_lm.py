@@ -28,7 +28,8 @@ to the :class:`~megatron_diffckpt.manager.DiffCheckpointManager` through its pub
    ``checkpointing.schedule_async_save`` hands back instead of queueing; the LowDiff+ persister
    writes it, and Megatron-LM's own finalize functions (metadata, tracker) publish it.
 4. ``checkpointing.generate_state_dict``: while a base is saved, the residuals of the compressed
-   exchange join Megatron-LM's state dict.
+   exchange join Megatron-LM's state dict; when ``--load`` reads a base, a base of another model
+   (a tensor's global shape differs) is refused in one line before megatron's load fails.
 5. ``checkpointing.schedule_async_save``: an asynchronous base tells the manager when it is
    published (its finalize step, after Megatron-LM's tracker update).
 6. ``training.maybe_finalize_async_save``: where Megatron-LM waits for its own saves (blocking,
@@ -54,7 +55,12 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.capture import capture_rng, restore_rng
-from megatron_diffckpt.checkpoint_layout import checkpoint_dir, has_tracker
+from megatron_diffckpt.checkpoint_layout import (
+    CheckpointNotFoundError,
+    checkpoint_dir,
+    find_latest_iteration,
+    has_tracker,
+)
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.patches import base_checkpoint, grad_sync
@@ -382,12 +388,35 @@ def _save_wrapper(original: Callable) -> Callable:
     return save_checkpoint
 
 
+def _checkpoint_being_loaded(args: Any) -> str | None:
+    """The ``iter_N`` folder Megatron-LM's ``load_checkpoint`` reads from ``--load`` (its tracker,
+    or ``--ckpt-step``), when there is one."""
+    if not args.load or not has_tracker(args.load):
+        return None
+    try:
+        step = getattr(args, "ckpt_step", None)
+        return checkpoint_dir(
+            args.load, step if step is not None else find_latest_iteration(args.load)
+        )
+    except CheckpointNotFoundError:
+        return None
+
+
 def _generate_state_dict_wrapper(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def generate_state_dict(*args, **kwargs):
         state = original(*args, **kwargs)
         if RUN.saving is not None and RUN.exchange is not None:
             state.update(base_checkpoint.residuals_state(RUN.exchange.residuals))
+            return state
+        a = signature.bind(*args, **kwargs).arguments
+        loading = a.get("iteration") is None and (a.get("optim_sd_kwargs") or {}).get("is_loading")
+        checkpoint = _checkpoint_being_loaded(a["args"]) if loading else None
+        if checkpoint is not None and a["args"].ckpt_format == "torch_dist":
+            # Another model than the checkpoint's: one line, before megatron fails in its load.
+            base_checkpoint.check_base_shapes(state, checkpoint)
         return state
 
     return generate_state_dict
@@ -474,7 +503,8 @@ PATCHES = PatchSet(
             target=f"{_C}:generate_state_dict",
             expected_signature=_GENERATE_STATE_DICT_SIGNATURE,
             make_wrapper=_generate_state_dict_wrapper,
-            purpose="save the compressed exchange's error-feedback residuals with every base",
+            purpose="save the compressed exchange's error-feedback residuals with every base; "
+            "refuse a base of another model in one line",
         ),
         MethodPatch(
             target=f"{_C}:schedule_async_save",
