@@ -9,8 +9,13 @@ MLM_STAMP := $(VENV)/.installed-megatron-lm
 # Megatron-LM's own training loop is tested against a checkout of the pinned release: MEGATRON_LM
 # when set, otherwise the shared checkout beside this repository when it exists; without one the
 # Megatron-LM tests skip and say why.
-SHARED_MEGATRON_LM := $(abspath ../shared/megatron-lm/core_v0.16.1)
-MEGATRON_LM ?= $(if $(wildcard $(SHARED_MEGATRON_LM)/megatron/training),$(SHARED_MEGATRON_LM),)
+# A clone made elsewhere (e.g. in a temporary folder) also finds the checkout beside the local
+# repository it was cloned from.
+ORIGIN := $(shell git config --get remote.origin.url 2>/dev/null)
+SHARED_CANDIDATES := $(abspath ../shared/megatron-lm/core_v0.16.1) \
+	$(if $(filter /%,$(ORIGIN)),$(abspath $(ORIGIN)/../shared/megatron-lm/core_v0.16.1))
+SHARED_MEGATRON_LM := $(firstword $(foreach d,$(SHARED_CANDIDATES),$(if $(wildcard $(d)/megatron/training),$(d))))
+MEGATRON_LM ?= $(SHARED_MEGATRON_LM)
 
 .PHONY: venv demo test test-quick lint bench clean slurm-test megatron-lm-test
 
