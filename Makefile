@@ -17,7 +17,7 @@ SHARED_CANDIDATES := $(abspath ../shared/megatron-lm/core_v0.16.1) \
 SHARED_MEGATRON_LM := $(firstword $(foreach d,$(SHARED_CANDIDATES),$(if $(wildcard $(d)/megatron/training),$(d))))
 MEGATRON_LM ?= $(SHARED_MEGATRON_LM)
 
-.PHONY: venv demo test test-quick lint bench clean slurm-test megatron-lm-test
+.PHONY: venv demo test test-quick lint bench clean slurm-deps slurm-test megatron-lm-test
 
 venv: $(STAMP)
 
@@ -56,9 +56,13 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/autotune_failures.py
 
 # A real single-node Slurm (Debian's slurm-wlm and munge, installed when missing; needs root):
-# the launcher's requeue after a killed task, and its retry budget. make test skips these.
-slurm-test: $(STAMP)
-	@command -v slurmctld >/dev/null || { apt-get update -q && apt-get install -y -q slurm-wlm munge; }
+# the launcher's requeue after a killed task, and its retry budget. make test runs these when
+# Slurm is installed (.ci/run installs it first) and skips them otherwise.
+slurm-deps:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
+
+slurm-test: $(STAMP) slurm-deps
 	$(VENV)/bin/python -m pytest -q tests/test_slurm.py
 
 # Megatron-LM's own pretrain_gpt.py (megatron.training) with differential checkpointing, on CPU,

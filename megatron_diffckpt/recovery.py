@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt import failpoints
 from megatron_diffckpt.capture import ReplayTarget, replay_record, restore_rng
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.storage.format import (
@@ -54,6 +55,7 @@ def replay(
     start = time.perf_counter()
     for i, record in enumerate(records, 1):
         replay_record(targets, record)
+        failpoints.reach("replay")
         if i % log_every == 0 or i == len(records):
             rate = i / max(time.perf_counter() - start, 1e-9)
             logger.info(

@@ -161,6 +161,36 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
+def rank_process(rank: int, torchrun_pid: int | None = None) -> psutil.Process:
+    """The training process of global ``rank``: a child of torchrun whose environment says
+    ``RANK=rank`` (not a process the rank forked, which shares its command line and environment,
+    nor the launcher); under the torchrun ``torchrun_pid`` when given, else anywhere."""
+    if torchrun_pid is not None:
+        candidates = psutil.Process(torchrun_pid).children()
+    else:
+        candidates = [
+            p
+            for p in psutil.process_iter()
+            if "torch.distributed.run" in _cmdline(p.ppid())
+        ]  # fmt: skip
+    found = []
+    for p in candidates:
+        try:
+            if p.environ().get("RANK") == str(rank):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert len(found) == 1, f"expected one process of rank {rank}, found {found}"
+    return found[0]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
 def run_script(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:
     """Run ``pretrain_gpt.py`` as one plain process: argument errors come before any rank starts."""
     env = _env()

@@ -23,6 +23,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptError
@@ -287,6 +288,7 @@ class DiffLogWriter:
         def write(f):
             n = write_segment(f, header, batch)
             timed.append(time.perf_counter() - start)
+            failpoints.reach("segment-write")  # written, neither fsynced nor published
             return n
 
         try:

@@ -1,0 +1,64 @@
+"""Fail points: named places where a fault-injection test makes this process die by SIGKILL.
+
+Crash safety is tested by really killing processes. Some moments are too short to hit from
+outside (a segment of a few hundred KB is written in about a millisecond), so the code names
+them, and a test asks for a SIGKILL at the N-th time one rank reaches one of them::
+
+    DIFFCKPT_FAILPOINT="segment-write:2@1"   # rank 1, the 2nd segment it writes
+
+The points:
+
+- ``segment-write``: a diff-log segment's bytes are in its ``.tmp`` file, neither fsynced nor
+  renamed (:class:`~megatron_diffckpt.storage.writer.DiffLogWriter`, its background thread);
+- ``replay``: a recovery has replayed one more differential into the optimizer, before the next
+  (:func:`~megatron_diffckpt.recovery.replay`).
+
+The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
+hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one
+comparison. The process writes one line to stderr (``failpoint NAME #N: SIGKILL of rank R``)
+and kills itself: no ``finally`` runs, no buffer is flushed, exactly as when the kernel or a
+scheduler kills it. Any rank, any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+
+ENV = "DIFFCKPT_FAILPOINT"
+POINTS = ("segment-write", "replay")
+
+_SPEC = re.compile(r"(?P<name>[a-z-]+)(?::(?P<n>\d+))?(?:@(?P<rank>\d+))?")
+
+
+def _parse(spec: str) -> tuple[str, int, int | None] | None:
+    if not spec:
+        return None
+    m = _SPEC.fullmatch(spec.strip())
+    if m is None or m["name"] not in POINTS or (m["n"] is not None and int(m["n"]) < 1):
+        raise ValueError(f"{ENV}={spec!r}: expected NAME[:N][@RANK] with NAME one of {POINTS}")
+    return m["name"], int(m["n"] or 1), None if m["rank"] is None else int(m["rank"])
+
+
+_armed = _parse(os.environ.get(ENV, ""))
+_hits = 0
+_lock = threading.Lock()
+
+
+def reach(name: str) -> None:
+    """This process is at fail point ``name``: die here if the spec says so."""
+    global _hits
+    if _armed is None or _armed[0] != name:
+        return
+    _, nth, rank = _armed
+    me = int(os.environ.get("RANK", "0"))
+    if rank is not None and rank != me:
+        return
+    with _lock:
+        _hits += 1
+        if _hits != nth:
+            return
+    os.write(2, f"failpoint {name} #{nth}: SIGKILL of rank {me}\n".encode())
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,253 @@
+"""Random faults until the job is done: 20 SIGKILLs a run, and the end equals an uninterrupted one.
+
+A GPT job (2 processes, DP 2, bases every F = 5, B = 1, dense exchange) is started with the same
+command again and again (``--load SAVE`` every time, as a requeued job is), and every attempt but
+the last dies by SIGKILL at a point drawn at random:
+
+- ``iteration-one`` / ``iteration-all``: after iteration k is logged, one rank (the test kills
+  the process whose ``RANK`` it is) or all ranks;
+- ``base-one`` / ``base-all``: while a base is being written (its folder is getting files and the
+  tracker does not name it yet), one rank or all;
+- ``segment-write``: one rank, while a diff-log segment is in its ``.tmp`` file
+  (fail point ``segment-write``, :mod:`megatron_diffckpt.failpoints`);
+- ``replay``: one rank, in the middle of a recovery's replay (fail point ``replay``), drawn only
+  when the previous attempt left differentials past the newest base.
+
+An attempt whose drawn point did not come within a few iterations is killed whole
+(``fallback``). For each fault the test reports what the job had completed, where the next
+attempt recovered to, and the iterations lost; a fault may lose at most B (LowDiff) or
+B + ``--diffckpt-max-pending`` (LowDiff+) iterations, the final state (parameters, main
+parameters, Adam moments, step) and losses must equal an uninterrupted run's (``torch.equal``),
+and ``megatron-diffckpt verify`` must pass on the final checkpoint. The draws come from a seed
+printed in the report; ``DIFFCKPT_FAULT_SEED=N`` replays a run's faults.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+from launch import (
+    PRETRAIN_GPT,
+    REPO,
+    RUN_TIMEOUT_S,
+    TINY_GPT,
+    _env,
+    assert_same_state,
+    kill_tree,
+    load_dumps,
+    rank_process,
+    run_cli,
+    run_gpt,
+)
+
+from megatron_diffckpt import failpoints
+
+FAULTS = 20
+TOTAL = 120  # more than 20 attempts can reach: every attempt ends in a fault until the last
+F = 5
+B = 1
+MAX_PENDING = 2
+MODES = {"lowdiff": B, "lowdiff-plus": B + MAX_PENDING}  # iterations one fault may lose
+COMMON = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "200"]
+KINDS = ("iteration-one", "iteration-all", "base-one", "base-all", "segment-write", "replay")
+FALLBACK_AFTER = 8  # iterations past the attempt's start after which an unmet point is dropped
+
+
+@dataclass
+class Plan:
+    kind: str
+    rank: int | None = None  # the rank killed (None: all)
+    iteration: int = 0  # iteration-*: kill once this one is logged
+    base: int = 0  # base-*: the base being written
+    nth: int = 1  # fail points: the n-th hit
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Attempt:
+    """What one start of the job printed, as the test follows it."""
+
+    proc: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+    logged: list[int] = field(default_factory=list)
+    target: int | None = None  # the iteration its recovery said it recovers to
+    fired: str | None = None  # a fail point's line
+
+    def follow(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if m := re.search(r"iteration +(\d+)/", line):
+                self.logged.append(int(m.group(1)))
+            elif m := re.search(r"recovering to iteration (\d+)", line):
+                self.target = int(m.group(1))
+            elif line.startswith("failpoint "):
+                self.fired = line.strip()
+
+    def tail(self) -> str:
+        return "".join(self.lines[-40:])
+
+
+def _start(job: list[str], env: dict[str, str]) -> Attempt:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", str(PRETRAIN_GPT), *job]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**_env(), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    attempt = Attempt(proc)
+    threading.Thread(target=attempt.follow, daemon=True).start()
+    return attempt
+
+
+def _tracker(ckpt: Path) -> int:
+    try:
+        return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+def _base_being_written(ckpt: Path, base: int, since: float) -> bool:
+    """Base ``base``'s folder is getting files in this attempt and is not published yet (a folder
+    an earlier attempt left behind does not count until this one writes into it)."""
+    folder = ckpt / f"iter_{base:07d}"
+    try:
+        fresh = any(p.stat().st_mtime >= since for p in folder.iterdir())
+    except OSError:
+        return False
+    return fresh and _tracker(ckpt) < base
+
+
+def _draw(rng: random.Random, kind: str, at: int, ckpt: Path) -> Plan:
+    rank = rng.randrange(2)
+    if kind == "iteration-one":
+        return Plan(kind, rank, iteration=at + rng.randint(1, 4))
+    if kind == "iteration-all":
+        return Plan(kind, None, iteration=at + rng.randint(1, 4))
+    if kind in ("base-one", "base-all"):
+        return Plan(kind, rank if kind == "base-one" else None, base=(at // F + 1) * F)
+    if kind == "segment-write":
+        nth = rng.randint(1, 3)
+        return Plan(kind, rank, nth=nth, env={failpoints.ENV: f"segment-write:{nth}@{rank}"})
+    nth = rng.randint(1, max(1, at - max(_tracker(ckpt), 0) - 2))
+    return Plan(kind, rank, nth=nth, env={failpoints.ENV: f"replay:{nth}@{rank}"})
+
+
+def _kill(attempt: Attempt, rank: int | None) -> None:
+    """SIGKILL one rank (torchrun then stops the other) or every process of the attempt."""
+    if rank is not None:
+        try:
+            rank_process(rank, attempt.proc.pid).kill()
+            attempt.proc.wait(60)
+        except (psutil.NoSuchProcess, AssertionError, subprocess.TimeoutExpired):
+            pass  # it was ending anyway: the whole tree goes below
+    kill_tree(attempt.proc)
+
+
+def _run_to_fault(attempt: Attempt, plan: Plan, start: int, ckpt: Path, since: float) -> str:
+    """Wait for the plan's point and kill there; returns how the attempt ended."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        last = max(attempt.logged, default=start)
+        if attempt.proc.poll() is not None:  # a fail point fired, or the job ended
+            kill_tree(attempt.proc)
+            return plan.kind if attempt.fired else f"exit {attempt.proc.returncode}"
+        if plan.kind.startswith("iteration") and last >= plan.iteration:
+            _kill(attempt, plan.rank)
+            return plan.kind
+        if plan.kind.startswith("base") and _base_being_written(ckpt, plan.base, since):
+            _kill(attempt, plan.rank)
+            return plan.kind
+        if last >= start + FALLBACK_AFTER:
+            _kill(attempt, None)
+            return "fallback"
+        assert time.monotonic() < deadline, "the attempt never reached its point:\n" + (
+            attempt.tail()
+        )
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run_gpt(2, *COMMON, "--train-iters", str(TOTAL), "--dump-state", str(out))
+    return load_dumps(out, 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
+    tmp_path, mode, straight, fault_report
+):
+    seed = int(os.environ.get("DIFFCKPT_FAULT_SEED") or random.SystemRandom().randrange(10**6))
+    rng = random.Random(seed)
+    ckpt, dumps = tmp_path / "ckpt", tmp_path / "final"
+    job = [*COMMON, "--train-iters", str(TOTAL), "--save", str(ckpt), "--load", str(ckpt),
+           "--save-interval", str(F), "--diffckpt-mode", mode, "--diffckpt-batch-size", str(B),
+           "--diffckpt-max-pending", str(MAX_PENDING), "--dump-state", str(dumps)]  # fmt: skip
+    # Every kind once, in a random order, then random draws; a replay only where there is one.
+    order = list(KINDS)
+    rng.shuffle(order)
+    faults: list[tuple[str, str, int]] = []  # (how, who was killed, iteration the job reached)
+    rows: list[tuple[int, str, str, int, int, int]] = []
+    at = 0  # the newest iteration the job completed
+    while True:
+        kind = order.pop() if order else rng.choice(KINDS)
+        if kind == "replay" and at - max(_tracker(ckpt), 0) < 3:
+            kind = "iteration-one"
+        plan = _draw(rng, kind, at, ckpt) if len(faults) < FAULTS else Plan("none")
+        since = time.time()
+        attempt = _start(job, plan.env)
+        if plan.kind == "none":
+            attempt.proc.wait(RUN_TIMEOUT_S)
+            how = f"exit {attempt.proc.returncode}"
+        else:
+            how = _run_to_fault(attempt, plan, at, ckpt, since)
+        # No base to load: a start from scratch. This closes the previous fault's row.
+        recovered = attempt.target if attempt.target is not None else 0
+        if faults:
+            how_before, who, reached = faults[-1]
+            rows.append((len(faults), how_before, who, reached, recovered, reached - recovered))
+        if how.startswith("exit"):
+            assert how == "exit 0" and plan.kind == "none", (
+                f"attempt with plan {plan} ended {how}:\n{attempt.tail()}"
+            )
+            break
+        who = "all" if plan.rank is None or how == "fallback" else f"rank {plan.rank}"
+        at = max(attempt.logged, default=recovered)
+        faults.append((how, who, at))
+
+    header = f"{'#':>3} {'fault':<14} {'killed':<7} {'reached':>7} {'recovered':>9} {'lost':>4}"
+    lines = [f"{mode}: seed {seed}, {len(rows)} faults (DIFFCKPT_FAULT_SEED={seed} replays them)",
+             header]  # fmt: skip
+    lines += [f"{n:>3} {k:<14} {w:<7} {r:>7} {c:>9} {lost:>4}" for n, k, w, r, c, lost in rows]
+    lost = [row[-1] for row in rows]
+    lines.append(f"lost per fault: max {max(lost)}, mean {sum(lost) / len(lost):.2f}")
+    fault_report("\n".join(lines))
+
+    assert len(rows) >= FAULTS
+    assert max(lost) <= MODES[mode], "\n".join(lines)
+    kinds = {row[1] for row in rows}
+    assert {"segment-write", "replay"} <= kinds and kinds & {"base-one", "base-all"}, kinds
+    final = load_dumps(dumps, 2)
+    recovered_last = rows[-1][4]
+    for rank in range(2):
+        assert final[rank]["losses"] == straight[rank]["losses"][recovered_last:]
+        assert_same_state(straight[rank], final[rank], rank)
+    verify = run_cli("verify", str(ckpt))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
