@@ -198,7 +198,12 @@ def _export(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     try:
         summary = merge_base(
-            args.dir, args.out, args.iteration, args.diff_dir, progress=not args.quiet
+            args.dir,
+            args.out,
+            args.iteration,
+            args.diff_dir,
+            progress=not args.quiet,
+            reshardable=args.reshardable,
         )
     except MergeError as exc:
         print(f"megatron-diffckpt merge: {exc}", file=sys.stderr)
@@ -207,7 +212,9 @@ def _merge(args: argparse.Namespace) -> int:
         print(f"note: {problem}")
     print(
         f"merged base {summary['base']} and {summary['differentials']} differential(s) of "
-        f"{summary['ranks']} rank(s) into {summary['out']} (iteration {summary['iteration']})"
+        f"{summary['ranks']} rank(s) into {summary['out']} (iteration {summary['iteration']}, "
+        f"optimizer format {summary['format']}"
+        + (": loads under any TP / PP / DP)" if args.reshardable else ")")
     )
     return 0
 
@@ -361,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="the checkpoint folder to write iter_T into")
     p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--reshardable",
+        action="store_true",
+        help="write the optimizer state in model space (megatron's fully_reshardable format, "
+        "without padding): the result loads under any TP / PP / DP; T may be a base",
+    )
     p = sub.add_parser("export", help="one base as a single torch file")
     p.add_argument("dir", help="the checkpoint folder (--save)")
     p.add_argument("--iteration", type=int, default=None, help="the base (default: the newest)")

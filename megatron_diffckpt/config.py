@@ -43,8 +43,9 @@ class DiffCkptConfig:
     """Writes that may wait for the background writer; bounds host memory."""
 
     when_full: str = "block"
-    """When the writer falls behind: block training, or skip the batch (logged; durability
-    waits for the next base)."""
+    """When the diff-log writer falls behind or the storage under --save is full: block
+    (wait for the writer; a full disk stops the job with one line) or skip (drop the batch or
+    the base with one warning per incident and train on; durability waits for the next base)."""
 
     full_interval: int = 0
     """Iterations between bases (stock dist checkpoints, F); 0 uses --save-interval."""

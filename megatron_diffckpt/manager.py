@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -39,9 +40,15 @@ from typing import Any
 import psutil
 import torch
 
-from megatron_diffckpt import recovery, retention
+from megatron_diffckpt import full_storage, recovery, retention
 from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
 from megatron_diffckpt.background import children_die_with_this_process
+from megatron_diffckpt.checkpoint_layout import (
+    CheckpointNotFoundError,
+    checkpoint_dir,
+    find_latest_iteration,
+    has_tracker,
+)
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
@@ -145,6 +152,8 @@ class DiffCheckpointManager:
         self._published_bases: list[int] = []
         self._recovery: tuple[float, float | None, float] | None = None
         self._shard_map_done = False
+        self._base_full_since: int | None = None  # first base skipped for a full --save
+        self._shard_map_full = False  # warned that the shard map found no room
         self.last_diff_seconds = 0.0
         """Training-path time of the last differential: capture, record, hand-off."""
 
@@ -252,8 +261,26 @@ class DiffCheckpointManager:
         except (ValueError, ShardMapError) as e:
             logger.info("no shard map, `megatron-diffckpt merge` will not merge this run: %s", e)
             return
-        if write_shard_map(self.rank_dir, shard_map):
-            logger.debug("wrote the shard map of %s", self.identity.dirname())
+        try:
+            if write_shard_map(self.rank_dir, shard_map):
+                logger.debug("wrote the shard map of %s", self.identity.dirname())
+        except OSError as exc:
+            if exc.errno not in full_storage.FULL_ERRNOS:
+                raise
+            if self.config.when_full == "block":
+                raise full_storage.StorageFullError(
+                    f"the shard map of {self.rank_dir} cannot be written ({exc.strerror}): free "
+                    "space and restart with --load, or run with --diffckpt-when-full skip"
+                ) from exc
+            self._shard_map_done = False  # tried again after the next iteration
+            if not self._shard_map_full:
+                self._shard_map_full = True
+                logger.warning(
+                    "%s: no room for the shard map (%s); `megatron-diffckpt merge` needs it, "
+                    "it is written once there is space (--diffckpt-when-full skip)",
+                    self.rank_dir,
+                    exc.strerror,
+                )
 
     def start(self, iteration: int, full_interval: int) -> None:
         """Begin capturing after ``iteration``, with bases every ``full_interval`` (F). All ranks.
@@ -320,6 +347,7 @@ class DiffCheckpointManager:
                 self.writer,
                 self.rng_tracker,
                 trace_path=trace,
+                on_base_failed=self.base_failed,
             )
         else:
             self.strategy = LowDiffStrategy(self.optimizer, self.writer, self.rng_tracker)
@@ -391,11 +419,129 @@ class DiffCheckpointManager:
         """Write a base of ``iteration`` through the training loop's ``save`` function (its
         protocol: :mod:`megatron_diffckpt.strategy`), from the training state (LowDiff) or from
         the host replica (LowDiff+, written in the background). Returns the seconds training was
-        blocked. All ranks, collectively."""
+        blocked. All ranks, collectively.
+
+        A base that would not fit in the space left under ``--save``, or whose save fails for
+        want of space, is handled by :meth:`base_failed`'s rules (skipped, or the job stopped)."""
+        start = time.perf_counter()
         waited = base_checkpoint.wait_for_writer()
-        blocked = waited + self.strategy.save_base(iteration, save)
+        if not self._base_fits(iteration):
+            return time.perf_counter() - start
+        try:
+            blocked = waited + self.strategy.save_base(iteration, save)
+        except full_storage.SAVE_FAILURES as exc:
+            self.base_failed(iteration, exc)
+            return time.perf_counter() - start
         self.on_base_saved(iteration, blocked)
         return blocked
+
+    def _base_fits(self, iteration: int) -> bool:
+        """Whether a base of ``iteration`` fits in the space left under ``--save``: as big as
+        the newest published one, or before the first, at least the distributed optimizer's
+        state (12 bytes per parameter: main parameter and two moments in fp32), plus what the
+        diff log may write meanwhile. All ranks, collectively (rank 0 measures)."""
+        floor = recovery.all_reduce_sum([self._local_base_floor()])[0]
+        unknown = 2**62  # what the other ranks contribute: the MIN is rank 0's measurement
+        fits, needed, free = True, unknown, unknown
+        if torch.distributed.get_rank() == 0:
+            newest = self._newest_published()
+            fits, needed, free = full_storage.base_fits(
+                self.save_dir,
+                None if newest is None else checkpoint_dir(self.save_dir, newest),
+                floor,
+            )
+        fits, needed, free = recovery.all_reduce_min([int(fits), needed, free])
+        if fits:
+            return True
+        self._storage_full(
+            iteration, f"{free / 2**20:.1f} MiB free, a base needs about {needed / 2**20:.1f} MiB"
+        )
+        return False
+
+    def _local_base_floor(self) -> int:
+        """The bytes this rank adds to a base at least (its distributed optimizer shard's fp32
+        main parameters and moments), plus the diff-log bytes it may write during the save."""
+        numel = sum(
+            p.numel()
+            for inner in optimizer_step.inner_optimizers(self.optimizer)
+            if optimizer_layout.is_distributed(inner)
+            for group in inner.optimizer.param_groups
+            for p in group["params"]
+        )
+        in_flight = 0
+        if self.writer is not None and self.writer.stats.records:
+            per_record = self.writer.stats.bytes_written / self.writer.stats.records
+            segments = self.writer.backlog + 1  # queued, and the one being written
+            in_flight = int(per_record * self.writer.batch_size * segments)
+        return 12 * numel + in_flight
+
+    def base_failed(self, iteration: int, exc: BaseException) -> None:
+        """The save or the finalize step of the base of ``iteration`` raised ``exc`` on every rank
+        (megatron reports a failed save on all ranks together). All ranks, collectively.
+
+        When storage is full on any rank: with ``--diffckpt-when-full skip`` the base is given
+        up with one warning per incident (its partial folder removed; the newest published base
+        and the diff log stand, and bases resume once there is space); with ``block`` the job
+        stops with :class:`~megatron_diffckpt.full_storage.StorageFullError`. Any other error is
+        raised again."""
+        reason = full_storage.full_reason(exc)
+        if reason is None and torch.distributed.get_rank() == 0:
+            newest = self._newest_published()
+            reason = full_storage.looks_full(
+                self.save_dir,
+                None if newest is None else checkpoint_dir(self.save_dir, newest),
+                checkpoint_dir(self.save_dir, iteration),
+            )
+        if recovery.all_reduce_min([0 if reason else 1])[0] == 1:
+            raise exc
+        self._storage_full(iteration, reason or "storage is full on another rank")
+
+    def _storage_full(self, iteration: int, reason: str) -> None:
+        """Base ``iteration`` cannot be written: clean its partial folder, then skip or stop.
+        All ranks, collectively."""
+        newest = self._newest_published()
+        if torch.distributed.get_rank() == 0 and newest != iteration:
+            shutil.rmtree(checkpoint_dir(self.save_dir, iteration), ignore_errors=True)
+        torch.distributed.barrier()
+        self._last_base, self._start_base = iteration, None  # the next try comes F later
+        stand = (
+            f"the newest base is {newest}, the diff log is durable to iteration "
+            f"{self.durable_iteration}"
+            if newest is not None
+            else "there is no base yet"
+        )
+        if self.config.when_full == "block":
+            raise full_storage.StorageFullError(
+                f"base {iteration} cannot be written under {self.save_dir} ({reason}); {stand}: "
+                "free space and restart with --load, or run with --diffckpt-when-full skip"
+            )
+        if self._base_full_since is None:
+            self._base_full_since = iteration
+            log = logger.warning if torch.distributed.get_rank() == 0 else logger.info
+            log(
+                "storage under %s is full (%s): base %d was NOT saved, and bases are skipped "
+                "until there is space again; %s (--diffckpt-when-full skip)",
+                self.save_dir,
+                reason,
+                iteration,
+                stand,
+            )
+        else:
+            logger.info(
+                "base %d skipped: storage under %s is still full (%s)",
+                iteration,
+                self.save_dir,
+                reason,
+            )
+
+    def _newest_published(self) -> int | None:
+        """The base ``--save``'s tracker names (complete), or ``None``. Any rank."""
+        if not has_tracker(self.save_dir):
+            return None
+        try:
+            return find_latest_iteration(self.save_dir)
+        except CheckpointNotFoundError:
+            return None
 
     def on_base_saved(self, iteration: int, blocked_s: float) -> None:
         """A base of ``iteration`` was started; training was blocked ``blocked_s``. All ranks.
@@ -423,6 +569,16 @@ class DiffCheckpointManager:
         """A base of ``iteration`` is published: durability counts from it, and retention applies.
         All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
         self._published_bases.append(iteration)
+        if self._base_full_since is not None:
+            log = logger.warning if torch.distributed.get_rank() == 0 else logger.info
+            log(
+                "storage under %s has space again: base %d published (bases from %d on were "
+                "skipped)",
+                self.save_dir,
+                iteration,
+                self._base_full_since,
+            )
+            self._base_full_since = None
         if self.writer is not None:
             self.writer.rebase(iteration)
         if self.tuner is not None:

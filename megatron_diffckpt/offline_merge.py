@@ -15,7 +15,8 @@ tracker at it. ``DIR`` is only read. Steps:
 4. Update the scheduler's step count, the iteration, the consumed samples, the optimizer's step
    and the RNG states (those at the end of T, per (PP, TP) rank, from the chains) and write
    ``DIR2/iter_T`` under a temporary name, ``common.pt`` and ``metadata.json`` last, then rename it
-   and move the tracker.
+   and move the tracker. With ``--reshardable``, the optimizer state is first rewritten in model
+   space (:mod:`megatron_diffckpt.reshardable`), so that the result loads under any layout.
 
 The optimizer step is torch's ``Adam``/``AdamW`` on CPU, the one megatron-core uses without
 TransformerEngine or apex: a run trained on CPU merges bit-exactly; a run trained on GPUs (another
@@ -56,6 +57,7 @@ from megatron_diffckpt.dist_ckpt_io import (
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.progress import Progress
+from megatron_diffckpt.reshardable import ReshardError, to_reshardable
 from megatron_diffckpt.shard_map import STATE_NAMES, ParamEntry, ShardMap, read_shard_map
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity
 from megatron_diffckpt.storage.reader import (
@@ -197,6 +199,8 @@ def _replay_rank(
     step and every group's [lr, weight decay] after the chain (``objects`` is not changed: the
     rank's data-parallel peers read the same base values)."""
     after = {}
+    if not chain.records:  # a base converted as it is (--reshardable)
+        return after
     for i, entry in enumerate(chain.shard_map.inner):
         if entry is None:
             continue
@@ -292,11 +296,16 @@ def merge_base(
     iteration: int | None = None,
     diff_dir: str | None = None,
     progress: bool = True,
+    reshardable: bool = False,
 ) -> dict[str, Any]:
     """Merge ``root``'s newest base at or before ``iteration`` (default: the newest iteration
     every rank's diff log reaches) with the differentials up to it into ``out``. Returns a
     summary. One process; ``root`` is only read; ``out/iter_T`` and the tracker are durable on
-    return."""
+    return.
+
+    ``reshardable``: write the state in the layout-independent ``fully_reshardable`` format
+    (:mod:`megatron_diffckpt.reshardable`), which loads under any TP / PP / DP; then ``iteration``
+    may also be a base (converted as it is)."""
     stream = sys.stderr if progress else None
     if os.path.realpath(out) == os.path.realpath(root):
         raise MergeError("--out must be another folder: merge never writes into DIR")
@@ -309,7 +318,7 @@ def merge_base(
         raise MergeError(f"{root} has no complete base at or before {iteration} ({complete})")
     base = max(candidates)
     target, chains, problems = _rank_chains(diff_dir, base, iteration)
-    if target == base:
+    if target == base and not reshardable:
         raise MergeError(
             f"iteration {target} is a base already ({checkpoint_dir(root, base)}): nothing to "
             "merge; copy it, or `megatron-diffckpt export` it"
@@ -344,17 +353,26 @@ def merge_base(
     bar.close()
     for key, (step, groups) in after.items():
         entries[key] = dump_object(_with_step(objects[key], step, groups))
-    _rng_entries(entries, chains, problems)
+    if chains[0].records:
+        _rng_entries(entries, chains, problems)
 
-    last = chains[0].records[-1]
     common = torch.load(os.path.join(src, "common.pt"), map_location="cpu", weights_only=False)
-    common["iteration"] = target
-    common["consumed_train_samples"] = last.scalars["consumed_samples"]
-    if isinstance(common.get("opt_param_scheduler"), dict):
-        common["opt_param_scheduler"]["num_steps"] = last.scalars["scheduler_steps"]
-    if hasattr(common.get("args"), "consumed_train_samples"):  # Megatron-LM's saved arguments
-        common["args"].consumed_train_samples = last.scalars["consumed_samples"]
-        common["args"].iteration = target
+    if chains[0].records:
+        last = chains[0].records[-1]
+        common["iteration"] = target
+        common["consumed_train_samples"] = last.scalars["consumed_samples"]
+        if isinstance(common.get("opt_param_scheduler"), dict):
+            common["opt_param_scheduler"]["num_steps"] = last.scalars["scheduler_steps"]
+        if hasattr(common.get("args"), "consumed_train_samples"):  # Megatron-LM's arguments
+            common["args"].consumed_train_samples = last.scalars["consumed_samples"]
+            common["args"].iteration = target
+
+    if reshardable:
+        try:
+            entries, common, notes = to_reshardable(entries, [c.shard_map for c in chains], common)
+        except ReshardError as e:
+            raise MergeError(str(e)) from e
+        problems += notes
 
     os.makedirs(out, exist_ok=True)
     staging = final + ".merging"
@@ -386,4 +404,5 @@ def merge_base(
         "out": final,
         "problems": problems,
         "write_seconds": seconds,
+        "format": "fully_reshardable" if reshardable else "dp_reshardable",
     }

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import recovery
+from megatron_diffckpt import full_storage, recovery
 from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
 from megatron_diffckpt.patches import (
@@ -72,6 +72,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         writer: the diff log, or ``None`` to persist bases only.
         rng_tracker: megatron's RNG tracker (for the differentials' RNG states).
         trace_path: where :meth:`close` writes the recent iterations' snapshot trace (JSON).
+        on_base_failed: ``(iteration, exc)``, all ranks together, when a base's finalize step
+            raised on every rank (a full disk); it re-raises what it does not handle.
     """
 
     name = "lowdiff-plus"
@@ -84,6 +86,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         writer: DiffLogWriter | None,
         rng_tracker: Any,
         trace_path: str | None = None,
+        on_base_failed: Callable[[int, BaseException], None] | None = None,
     ):
         if not model_chunks:
             raise ValueError(
@@ -91,6 +94,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             )
         self.optimizer = optimizer
         self.trace_path = trace_path
+        self.on_base_failed = on_base_failed
         self.model_chunks = model_chunks
         self.rng_tracker = rng_tracker
         self.writer = writer
@@ -229,7 +233,13 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             return
         written_s = future.result()  # raises the persister thread's error, if any
         self._persist = None
-        finalize()
+        try:
+            finalize()  # megatron raises a failed write here, on every rank
+        except full_storage.SAVE_FAILURES as exc:
+            if self.on_base_failed is None:
+                raise
+            self.on_base_failed(iteration, exc)
+            return
         logger.info(
             "LowDiff+: base of iteration %d published (written by the merger in %.3f s)",
             iteration,
@@ -279,7 +289,12 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.snapshotter.close()
         self._persister.shutdown(wait=True)
         if self.trace_path is not None:
-            self.write_trace(self.trace_path)
+            try:
+                self.write_trace(self.trace_path)
+            except OSError as exc:  # a diagnostic: a full disk must not fail the job's end
+                logger.warning(
+                    "LowDiff+: snapshot trace not written to %s: %s", self.trace_path, exc
+                )
         summary = summarize_traces(list(self.snapshotter.traces))
         logger.info(
             "LowDiff+: merged through iteration %d; merger busy %.2f s; training waited %.2f s "

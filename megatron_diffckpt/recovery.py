@@ -31,10 +31,20 @@ logger = logging.getLogger(__name__)
 def all_reduce_min(values: list[int], group: Any = None) -> list[int]:
     """The element-wise minimum of ``values`` over the ranks of ``group``: one all-reduce.
     All ranks of ``group``, collectively."""
+    return _all_reduce(values, torch.distributed.ReduceOp.MIN, group)
+
+
+def all_reduce_sum(values: list[int], group: Any = None) -> list[int]:
+    """The element-wise sum of ``values`` over the ranks of ``group``: one all-reduce.
+    All ranks of ``group``, collectively."""
+    return _all_reduce(values, torch.distributed.ReduceOp.SUM, group)
+
+
+def _all_reduce(values: list[int], op: Any, group: Any) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64)
     if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl":
         t = t.cuda()
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    torch.distributed.all_reduce(t, op=op, group=group)
     return [int(x) for x in t.tolist()]
 
 

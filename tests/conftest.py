@@ -1,3 +1,5 @@
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,3 +25,39 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("fault injection")
         for text in _REPORTS:
             terminalreporter.write_line(text)
+
+
+class Tmpfs:
+    """Small filesystems for a test (root): ``tmpfs(name, size)`` mounts one of ``size``
+    (``"1m"``) at ``tmp_path/name``; ``tmpfs.grow(path)`` gives it room again (64 MiB, what it
+    holds stays). Unmounted after the test. Without root the test is skipped, except under
+    ``CI=true`` (CI runs as root: a skip there protects nothing)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.mounted: list[Path] = []
+
+    def __call__(self, name: str, size: str) -> Path:
+        path = self.root / name
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode != 0:
+            if os.environ.get("CI") == "true":
+                raise RuntimeError(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
+        self.mounted.append(path)
+        return path
+
+    @staticmethod
+    def grow(path: Path) -> None:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(path)], check=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A :class:`Tmpfs` for this test."""
+    mounts = Tmpfs(tmp_path)
+    yield mounts
+    for path in mounts.mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)

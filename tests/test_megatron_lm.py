@@ -459,3 +459,39 @@ def test_unsupported_settings_are_refused_with_the_flag_to_change(tmp_path):
                    "--diffckpt-mode", "lowdiff-plus", script=SCRIPT, check=False)  # fmt: skip
     assert proc.returncode != 0
     assert "needs --use-distributed-optimizer" in proc.stdout + proc.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("when_full", ["skip", "block"])
+def test_a_full_save_skips_its_bases_or_stops_in_one_line(tmp_path, tmpfs, when_full):
+    """``--save`` on a 1 MiB tmpfs: no base fits, and base 0 fails inside megatron's write on
+    every rank (in the finalize step of Megatron-LM's ``--async-save`` with skip; in its
+    synchronous save with block). skip: one warning, training to the end; block: one line, exit
+    2; either way no partial base, and with space the same command trains and ``verify``
+    passes."""
+    save = tmpfs("save", "1m")
+    flags = ["--overlap-grad-reduce", "--async-save"] if when_full == "skip" else []
+    args = [*GPT, *flags, "--save", str(save), "--load", str(save), "--save-interval", "4",
+            "--diffckpt-mode", "lowdiff", "--diffckpt-when-full", when_full,
+            "--train-iters", "6"]  # fmt: skip
+    proc = run_gpt(2, *args, script=SCRIPT, check=False)
+    log = proc.stdout + proc.stderr
+    if when_full == "skip":
+        assert proc.returncode == 0, log[-4000:]
+        warned = re.findall(
+            r"WARNING:\S+storage under \S+ is full \(.*?\): base (\d+) was NOT", log
+        )
+        assert warned == ["0"], log[-4000:]  # one warning, on rank 0
+    else:
+        assert proc.returncode != 0 and "exitcode  : 2" in log, log[-4000:]
+        error = r"pretrain_gpt_diffckpt.py: error: base 0 cannot be written under \S+ \("
+        assert re.search(error, log), log[-4000:]
+    # One line, no traceback of a rank (torchrun's own, of the exit code 2, starts in runpy).
+    tracebacks = re.findall(r"Traceback \(most recent call last\):\n\s*File \"([^\"]+)\"", log)
+    assert set(tracebacks) <= {"<frozen runpy>"}, log[-4000:]
+    assert not list(save.glob("iter_*")), list(save.iterdir())
+    tmpfs.grow(save)
+    _run(*args)
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
+    verify = run_cli("verify", str(save))
+    assert verify.returncode == 0, verify.stdout + verify.stderr

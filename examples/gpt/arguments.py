@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also write the state as it is after these iterations (or as loaded, when --load "
         "resumes at one of them) to DIR/iter_<ITER>/rank_<r>.pt; needs --dump-state DIR.",
     )
+    g.add_argument(
+        "--dump-model-space",
+        action="store_true",
+        help="With --dump-state: also write each rank's pieces of the model and optimizer state "
+        "in model space (global keys and offsets) to model_space_<r>.pt, so that states of "
+        "different parallel layouts compare as whole tensors (used by the reshard tests).",
+    )
     DiffCkptConfig.add_arguments(p)
     return p
 

@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -29,7 +30,9 @@ from megatron_diffckpt.checkpoint_layout import (
     publish_iteration,
 )
 from megatron_diffckpt.patches.base_checkpoint import (
+    check_base_layout,
     check_base_shapes,
+    finalize_async_bases,
     load_residuals,
     residuals_state,
 )
@@ -75,10 +78,13 @@ def _sharded_rng_state() -> ShardedObject:
     )
 
 
-def base_layout(model, optimizer, is_loading: bool = False, model_params=None) -> dict:
+def base_layout(
+    model, optimizer, is_loading: bool = False, model_params=None, metadata=OPTIMIZER_METADATA
+) -> dict:
     """The model and optimizer part of a checkpoint: ``{"model": ..., "optimizer": ...}``.
 
-    Also what the diff log's shard map is built from (``megatron-diffckpt merge``).
+    Also what the diff log's shard map is built from (``megatron-diffckpt merge``). ``metadata``
+    names the optimizer's format (a load follows the checkpoint's).
     """
     # DDP.sharded_state_dict() prefixes keys with "module." while DDP.load_state_dict() expects
     # them without: save and load through the wrapped module.
@@ -88,7 +94,7 @@ def base_layout(model, optimizer, is_loading: bool = False, model_params=None) -
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+            model_sd, is_loading=is_loading, metadata=metadata
         ),
     }
 
@@ -102,13 +108,15 @@ def _sharded_state_dict(
     is_loading: bool,
     residuals=None,
     model_params=None,
+    metadata=OPTIMIZER_METADATA,
+    rng: bool = True,
 ) -> dict:
     extra = {} if residuals is None else residuals_state(residuals)
     return {
         **extra,
-        **base_layout(model, optimizer, is_loading, model_params),
+        **base_layout(model, optimizer, is_loading, model_params, metadata),
         "opt_param_scheduler": scheduler.state_dict(),
-        "rng_state": _sharded_rng_state(),
+        **({"rng_state": _sharded_rng_state()} if rng else {}),
         "iteration": iteration,
         "consumed_train_samples": consumed,
         "checkpoint_version": 3.0,
@@ -118,15 +126,26 @@ def _sharded_state_dict(
 class Checkpointer:
     """Saves and loads the example's state; owns the async-save queue."""
 
-    def __init__(self, save_dir: str | None, async_save: bool, on_published=None, residuals=None):
+    def __init__(
+        self,
+        save_dir: str | None,
+        async_save: bool,
+        on_published=None,
+        residuals=None,
+        on_failed=None,
+    ):
         """``on_published(iteration)`` runs on all ranks once a save is published; ``residuals``
         (:class:`~megatron_diffckpt.exchange.ErrorFeedbackResiduals`) are saved with every
-        checkpoint when given."""
+        checkpoint when given; ``on_failed(iteration, exc)`` runs on all ranks when an
+        asynchronous save's finalize step raised (megatron raises a failed write on every rank;
+        it re-raises what it does not handle), else the error propagates."""
         self.save_dir = save_dir
         self.async_save = async_save
         self.on_published = on_published
+        self.on_failed = on_failed
         self.residuals = residuals
         self._queue = AsyncCallsQueue() if async_save else None
+        self._scheduled: deque[int] = deque()  # iterations of the async saves in flight, in order
 
     def save(self, model, optimizer, scheduler, iteration: int, consumed: int) -> float:
         """Save a checkpoint of ``iteration``. All ranks, collectively.
@@ -141,6 +160,7 @@ class Checkpointer:
         )
         if request is not None:
             self._queue.schedule_async_request(request)
+            self._scheduled.append(iteration)
         blocked = time.perf_counter() - start
         logger.info(
             "%s checkpoint of iteration %d: training blocked %.1f ms",
@@ -214,12 +234,17 @@ class Checkpointer:
     def finalize(self, blocking: bool = False) -> None:
         """Publish finished async saves. All ranks, collectively (each call is a collective)."""
         if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=blocking)
+            finalize_async_bases(
+                lambda: self._queue.maybe_finalize_async_calls(blocking=blocking),
+                self._queue.get_num_unfinalized_calls,
+                self._scheduled,
+                self.on_failed,
+            )
 
     def close(self) -> None:
         """Wait for every pending save and publish it. All ranks, collectively."""
         if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            self.finalize(blocking=True)
             self._queue.close()
             self._queue = None
 
@@ -235,7 +260,16 @@ class Checkpointer:
         iteration = find_latest_iteration(load_dir)
         ckpt = checkpoint_dir(load_dir, iteration)
         start = time.perf_counter()
-        template = _sharded_state_dict(model, optimizer, scheduler, 0, 0, True)
+        layout = check_base_layout(
+            ckpt,
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        metadata = {"distrib_optim_sharding_type": layout.optimizer_format}
+        template = _sharded_state_dict(
+            model, optimizer, scheduler, 0, 0, True, metadata=metadata,
+            rng=layout.same_model_parallel,
+        )  # fmt: skip
         check_base_shapes(template, ckpt)
         state = dist_checkpointing.load(template, ckpt)
         if residuals is not None:
@@ -244,7 +278,14 @@ class Checkpointer:
         with torch.no_grad():  # the fp32 dp_reshardable optimizer state is copied in place
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
-        _set_rng_state(state["rng_state"])
+        if layout.same_model_parallel:
+            _set_rng_state(state["rng_state"])
+        else:  # as Megatron-LM: RNG states of another TP/PP layout mean nothing here
+            logger.warning(
+                "%s was saved under another tensor or pipeline-parallel size: its RNG states are "
+                "not loaded (they start from --seed)",
+                ckpt,
+            )
         if state["iteration"] != iteration:
             raise RuntimeError(f"{ckpt} holds iteration {state['iteration']}, not {iteration}")
         logger.info(

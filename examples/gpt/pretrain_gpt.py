@@ -281,9 +281,16 @@ def _broadcast_loss(loss: torch.Tensor | None) -> float:
     return float(t.item())
 
 
-def dump_state(path: str, model, optimizer, losses: list[float]) -> None:
-    """Write this rank's parameters, optimizer shard and losses to ``path/rank_<r>.pt``."""
+def dump_state(path: str, model, optimizer, losses: list[float], model_space: bool = False) -> None:
+    """Write this rank's parameters, optimizer shard and losses to ``path/rank_<r>.pt``; with
+    ``model_space``, also its pieces of the state in model space (:func:`_model_space_pieces`)
+    to ``path/model_space_<r>.pt``. All ranks, collectively (the model-space view gathers)."""
     os.makedirs(path, exist_ok=True)
+    if model_space:
+        torch.save(
+            _model_space_pieces(model, optimizer),
+            os.path.join(path, f"model_space_{torch.distributed.get_rank()}.pt"),
+        )
     params = {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()}
     opt_state = []
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -305,6 +312,36 @@ def dump_state(path: str, model, optimizer, losses: list[float]) -> None:
         {"params": params, "optimizer": opt_state, "losses": losses},
         os.path.join(path, f"rank_{rank}.pt"),
     )
+
+
+def _model_space_pieces(model, optimizer) -> list[tuple]:
+    """This rank's main-replica pieces of every model tensor and of the distributed optimizer's
+    main parameters and moments in model space (as megatron's ``fully_reshardable`` format
+    gathers them: ``optimizer.state.<name>.<model key>``): ``(key, global_shape, global_offset,
+    tensor)``. Pieces of all ranks assemble into whole tensors, whatever the parallel layout:
+    what lets a test compare states across layouts."""
+    from checkpointing import base_layout
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    state = base_layout(
+        model, optimizer, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+    )
+    pieces = []
+    for t in nested_values(state):
+        if not isinstance(t, ShardedTensor):
+            continue
+        replica = t.replica_id if isinstance(t.replica_id, tuple) else (t.replica_id,)
+        if all(r == 0 for r in replica):
+            pieces.append(
+                (
+                    t.key,
+                    tuple(t.global_shape),
+                    tuple(t.global_offset),
+                    t.data.detach().cpu().clone(),
+                )
+            )
+    return pieces
 
 
 def _dump_dir(args, iteration: int) -> str:
@@ -399,7 +436,7 @@ def train(args) -> int:
                 consumed = replayed_consumed
             logger.info("recovered to iteration %d", iteration)
     if iteration in args.dump_state_at:
-        dump_state(_dump_dir(args, iteration), model, optimizer, [])
+        dump_state(_dump_dir(args, iteration), model, optimizer, [], args.dump_model_space)
     if args.ckpt_format == "torch_dcp":
         from dcp_checkpointing import DcpCheckpointer
 
@@ -512,7 +549,7 @@ def train(args) -> int:
             )
             interval = {"loss": 0.0, "time": 0.0, "iters": 0, "ckpt": 0.0, "diff": 0.0}
         if iteration in args.dump_state_at:
-            dump_state(_dump_dir(args, iteration), model, optimizer, losses)
+            dump_state(_dump_dir(args, iteration), model, optimizer, losses, args.dump_model_space)
         if stop:
             logger.info(
                 "exiting at iteration %d (--exit-interval %d)", iteration, args.exit_interval
@@ -525,7 +562,7 @@ def train(args) -> int:
     checkpointer.close()
     observer.close()
     if args.dump_state:
-        dump_state(args.dump_state, model, optimizer, losses)
+        dump_state(args.dump_state, model, optimizer, losses, args.dump_model_space)
         if replica is not None:
             dump_state(os.path.join(args.dump_state, "replica"), model, replica, losses)
     torch.distributed.barrier()

@@ -33,7 +33,9 @@ to the :class:`~megatron_diffckpt.manager.DiffCheckpointManager` through its pub
 5. ``checkpointing.schedule_async_save``: an asynchronous base tells the manager when it is
    published (its finalize step, after Megatron-LM's tracker update).
 6. ``training.maybe_finalize_async_save``: where Megatron-LM waits for its own saves (blocking,
-   at the end of training), bases in flight are published too.
+   at the end of training), bases in flight are published too; an asynchronous base whose write
+   failed for want of space goes to the manager's ``--diffckpt-when-full`` rule (skipped with a
+   warning, or the job stopped in one line) instead of ending the job in a traceback.
 7. ``megatron.core.datasets.utils.compile_helpers``: skipped when the compiled helpers import
    (megatron-core wheels ship them, without the Makefile that Megatron-LM's start-up runs).
 
@@ -49,6 +51,7 @@ import importlib.util
 import inspect
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -119,6 +122,7 @@ class _Run:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.saving: int | None = None  # the iteration of the base being saved
+        self.scheduled: deque[int] = deque()  # bases in Megatron-LM's async queue, in order
         self.capture_request = False  # LowDiff+: hand the AsyncRequest back, do not queue it
         self.captured: Any = None
         self.recovered_rng: Any = None  # RNG states at the recovered iteration, until step 1
@@ -437,6 +441,8 @@ def _schedule_async_save_wrapper(original: Callable) -> Callable:
         if RUN.capture_request:  # a LowDiff+ base: its persister writes it
             RUN.captured = async_request
             return None
+        if manager is not None and iteration is not None:
+            RUN.scheduled.append(iteration)
         return original(async_request)
 
     return schedule_async_save
@@ -445,7 +451,22 @@ def _schedule_async_save_wrapper(original: Callable) -> Callable:
 def _finalize_async_save_wrapper(original: Callable) -> Callable:
     @functools.wraps(original)
     def maybe_finalize_async_save(*args, **kwargs):
-        out = original(*args, **kwargs)
+        out = None
+        if RUN.manager is None:
+            out = original(*args, **kwargs)
+        else:  # a base whose write failed (a full disk) goes to the manager
+            from megatron.training import async_utils
+
+            def finalize() -> None:
+                nonlocal out
+                out = original(*args, **kwargs)
+
+            base_checkpoint.finalize_async_bases(
+                finalize,
+                lambda: async_utils._async_calls_queue.get_num_unfinalized_calls(),
+                RUN.scheduled,
+                RUN.manager.base_failed,
+            )
         blocking = kwargs.get("blocking", args[0] if args else False)
         if blocking and RUN.manager is not None:
             RUN.manager.finish_bases()

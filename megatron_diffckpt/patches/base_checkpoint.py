@@ -18,22 +18,32 @@ this module holds what they share, so that no training loop copies it:
   ``multiprocessing`` manager by *spawn* the first time a process saves (a few seconds, on the
   training thread, at the first base); the manager starts it at start-up on a background
   thread instead, so the first base costs what later ones cost.
-- :func:`check_base_shapes`: a base of another model is refused in one line.
+- :func:`check_base_shapes`: a base of another model is refused in one line;
+  :func:`check_base_layout`: so is a ``dp_reshardable`` base under another TP or PP size (with
+  the merge that makes it loadable), and a loader learns the base's optimizer format and whether
+  its RNG states are this layout's.
+- :func:`finalize_async_bases`: finalize a loop's queue of asynchronous saves, handing one whose
+  write failed (a full disk) to the manager and going on with the others.
 
-Collective rule: :func:`load_residuals` is called by all ranks together; ``finalize`` of
-:func:`split_async_request` too; the rest by any rank.
+Collective rule: :func:`load_residuals` and :func:`finalize_async_bases` are called by all ranks
+together; ``finalize`` of :func:`split_async_request` too; the rest by any rank.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_diffckpt.errors import DiffCkptUsageError
+from megatron_diffckpt.full_storage import SAVE_FAILURES
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
 
 logger = logging.getLogger(__name__)
@@ -41,8 +51,9 @@ logger = logging.getLogger(__name__)
 _ASYNC = "megatron.core.dist_checkpointing.strategies.async_utils"
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
-# Drift check only: split_async_request reads these fields and runs them as megatron's own
-# AsyncRequest.execute_sync does (stage with preload_fn, then async_fn), minus its barrier.
+# Drift checks only: split_async_request reads these fields and runs them as megatron's own
+# AsyncRequest.execute_sync does (stage with preload_fn, then async_fn), minus its barrier;
+# finalize_async_bases counts on the queue's bookkeeping.
 PATCHES = PatchSet(
     (
         MethodPatch(
@@ -53,6 +64,14 @@ PATCHES = PatchSet(
             make_wrapper=lambda original: original,
             purpose="write a LowDiff+ base from the replica on the persister thread",
             requires=((f"{_ASYNC}:AsyncRequest.execute_sync", "(self) -> None"),),
+        ),
+        MethodPatch(
+            target=f"{_ASYNC}:AsyncCallsQueue.maybe_finalize_async_calls",
+            expected_signature="(self, blocking=False, no_dist=False) -> List[int]",
+            make_wrapper=lambda original: original,
+            purpose="hand a base whose write failed (a full disk) to the manager and finalize "
+            "the saves after it (the failed save has left the queue when megatron raises)",
+            requires=((f"{_ASYNC}:AsyncCallsQueue.get_num_unfinalized_calls", "(self)"),),
         ),
         MethodPatch(
             target=f"{_FS_ASYNC}:_get_write_results_queue",
@@ -152,6 +171,38 @@ def split_async_request(request: Any) -> tuple[Callable[[], None], Callable[[], 
 _WARM_UP: Future | None = None
 
 
+def finalize_async_bases(
+    finalize: Callable[[], Any],
+    unfinalized: Callable[[], int],
+    scheduled: deque[int],
+    on_failed: Callable[[int, BaseException], None] | None,
+) -> None:
+    """Run ``finalize`` (a ``maybe_finalize_async_calls`` of megatron's ``AsyncCallsQueue``)
+    until it returns, handing a save whose finalize step raised to ``on_failed(iteration, exc)``
+    and finalizing the ones after it. All ranks, collectively (megatron raises a failed write on
+    every rank, after popping the failed save from the queue).
+
+    ``unfinalized()`` is the queue's ``get_num_unfinalized_calls``; ``scheduled`` holds the
+    iterations of the queued saves, oldest first, and is kept in step with the queue. Without
+    ``on_failed`` the error propagates."""
+
+    def forget_finalized() -> list[int]:
+        left = len(scheduled) - unfinalized()
+        return [scheduled.popleft() for _ in range(left)]
+
+    while True:
+        try:
+            finalize()
+        except SAVE_FAILURES as exc:
+            failed = forget_finalized()
+            if on_failed is None or not failed:
+                raise
+            on_failed(failed[-1], exc)
+            continue
+        forget_finalized()
+        return
+
+
 def warm_up_writer() -> Future:
     """Start megatron's checkpoint writer machinery (the results queue of its file writer, a
     ``multiprocessing`` manager started by spawn) on a background thread; logs when it is
@@ -228,3 +279,49 @@ def check_base_shapes(sharded_state_dict: dict, checkpoint: str) -> None:
             f"{more}; resume with the model flags that saved it (--num-layers, --hidden-size, "
             "--seq-length, vocabulary, ...)"
         )
+
+
+_RNG_KEY = re.compile(r"^rng_state/shard_\d+\.\d+_(\d+)\.(\d+)$")
+FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space")
+"""megatron's optimizer formats that load under another TP or PP size."""
+
+
+@dataclass(frozen=True)
+class BaseLayout:
+    """How a base was saved, as far as loading it under this run's layout goes."""
+
+    optimizer_format: str
+    """The distributed optimizer's ``distrib_optim_sharding_type`` (``dp_reshardable`` for a
+    checkpoint that does not say)."""
+    same_model_parallel: bool
+    """Saved under this run's TP and PP sizes (or it does not say): its RNG states are this
+    layout's, so they load."""
+
+
+def check_base_layout(checkpoint: str, tp_size: int, pp_size: int) -> BaseLayout:
+    """The optimizer format of ``checkpoint`` and whether it was saved under ``tp_size`` and
+    ``pp_size``; a ``dp_reshardable`` base saved under other TP or PP sizes (it reshards along
+    data parallelism only) is refused in one line naming the merge that makes it loadable. Any
+    rank (reads the checkpoint's metadata and ``common.pt``, as megatron's load does)."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    content = dist_checkpointing.load_content_metadata(checkpoint) or {}
+    fmt = content.get("distrib_optim_sharding_type", "dp_reshardable")
+    saved = None
+    for key in FileSystemReader(checkpoint).read_metadata().state_dict_metadata:
+        if m := _RNG_KEY.match(key):
+            saved = (int(m.group(2)), int(m.group(1)))  # the key holds (PP, TP) sizes
+            break
+    same = saved is None or saved == (tp_size, pp_size)
+    if not same and fmt not in FULLY_RESHARDABLE:
+        root, name = os.path.split(os.path.normpath(checkpoint))
+        raise DiffCkptUsageError(
+            f"{checkpoint} was saved under TP={saved[0]} PP={saved[1]} in the distributed "
+            f"optimizer's {fmt} format, which loads under another data-parallel size only; this "
+            f"run has TP={tp_size} PP={pp_size}: resume with --tensor-model-parallel-size "
+            f"{saved[0]} --pipeline-model-parallel-size {saved[1]}, or first `megatron-diffckpt "
+            f"merge {root} --iteration {int(name.split('_')[-1])} --reshardable --out DIR2` "
+            "and --load DIR2 (it loads under any layout)"
+        )
+    return BaseLayout(fmt, same)

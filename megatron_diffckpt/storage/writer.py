@@ -14,7 +14,6 @@ Any rank, no collectives: each rank writes only its own folder.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptError
+from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
@@ -70,14 +70,6 @@ OWNER_FILE = "owner"
 
 class DiffLogOwnershipError(DiffCkptError):
     """A newer incarnation of this rank took over its diff-log folder."""
-
-
-class StorageFullError(DiffCkptError):
-    """The diff log's filesystem is full (``--diffckpt-when-full block``)."""
-
-
-# A write that failed for want of space (no space, quota, file size limit).
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class DiffLogWriter:
@@ -294,7 +286,7 @@ class DiffLogWriter:
         try:
             n = publish_file(final, write)
         except OSError as exc:
-            if exc.errno not in _FULL:
+            if exc.errno not in FULL_ERRNOS:
                 raise
             self._storage_full(batch, exc)
             return
