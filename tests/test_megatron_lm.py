@@ -495,3 +495,44 @@ def test_a_full_save_skips_its_bases_or_stops_in_one_line(tmp_path, tmpfs, when_
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
     verify = run_cli("verify", str(save))
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.distributed
+def test_a_merged_reshardable_state_resumes_under_another_layout(tmp_path, straight_runs):
+    """SIGKILL of a DP 2 run after iteration 8, `merge --reshardable`, and Megatron-LM's own
+    load under TP 2 (it reads the optimizer format from the checkpoint): training goes on, its
+    losses within 2% of the uninterrupted DP 2 run's (Megatron-LM drops the RNG states of
+    another TP/PP layout, so dropout draws differ). A dp_reshardable base under TP 2 is refused
+    in one line naming that merge."""
+    flags, rank_dirs = LAYOUTS["dp2-async-save"]
+    straight, expected = straight_runs("dp2-async-save")
+    ckpt, merged = tmp_path / "ckpt", tmp_path / "merged"
+    args = [*GPT, *flags.split(), "--save", str(ckpt), "--save-interval", "5",
+            "--diffckpt-mode", "lowdiff"]  # fmt: skip
+    _kill_after(args, ckpt, rank_dirs, KILL_AFTER)
+    merge = run_cli("merge", str(ckpt), "--iteration", str(KILL_AFTER), "--out", str(merged),
+                    "--reshardable", "--quiet")  # fmt: skip
+    assert merge.returncode == 0, merge.stdout + merge.stderr
+    # Megatron-LM pads the vocabulary to a multiple of 128 x TP by default: under TP 2 the
+    # same padded size (384) takes --make-vocab-size-divisible-by 64.
+    tp2 = [*GPT, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64",
+           "--save", str(merged), "--load", str(merged), "--save-interval", "5",
+           "--diffckpt-mode", "lowdiff"]  # fmt: skip
+    log = _run(*tp2, "--train-iters", str(TOTAL))
+    assert "RNG state will be ignored" in log, log[-3000:]
+    assert re.search(rf"loaded checkpoint from .* at iteration {KILL_AFTER}", log), log[-3000:]
+    losses = _resumed_losses(log, KILL_AFTER)
+    for it, loss in losses.items():
+        assert abs(float(loss) - float(expected[it])) <= 0.02 * float(expected[it]), (it, loss)
+    assert (merged / "latest_checkpointed_iteration.txt").read_text() == str(TOTAL)
+
+    stock = tmp_path / "stock"  # the uninterrupted run's own base at 8: dp_reshardable
+    shutil.copytree(straight / f"iter_{KILL_AFTER:07d}", stock / f"iter_{KILL_AFTER:07d}")
+    (stock / "latest_checkpointed_iteration.txt").write_text(str(KILL_AFTER))
+    tp2 = [str(stock) if a == str(merged) else a for a in tp2]  # --save and --load
+    proc = run_gpt(2, *tp2, "--train-iters", str(TOTAL), script=SCRIPT, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in log, log[-3000:]
+    assert re.search(r"pretrain_gpt_diffckpt.py: error: \S+ was saved under TP=1 PP=1 .*"
+                     rf"megatron-diffckpt merge {stock} --iteration {KILL_AFTER} --reshardable",
+                     log), log[-3000:]  # fmt: skip

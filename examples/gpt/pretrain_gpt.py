@@ -315,32 +315,56 @@ def dump_state(path: str, model, optimizer, losses: list[float], model_space: bo
 
 
 def _model_space_pieces(model, optimizer) -> list[tuple]:
-    """This rank's main-replica pieces of every model tensor and of the distributed optimizer's
-    main parameters and moments in model space (as megatron's ``fully_reshardable`` format
-    gathers them: ``optimizer.state.<name>.<model key>``): ``(key, global_shape, global_offset,
-    tensor)``. Pieces of all ranks assemble into whole tensors, whatever the parallel layout:
-    what lets a test compare states across layouts."""
+    """This rank's main-replica pieces of every model tensor, and of the distributed optimizer's
+    main parameters and moments placed in model space (``optimizer.state.<name>.<model key>``,
+    the names of megatron's ``fully_reshardable`` format), each as ``(key, global_shape,
+    global_offset, local_shape, (start, end), values)``: ``values`` is the flat range
+    ``[start, end)`` of the local tensor at ``global_offset``. Pieces of all ranks assemble into
+    whole tensors, whatever the parallel layout: what lets a test compare states across layouts.
+    The optimizer's pieces are placed by the rank's shard map (megatron's own sharded state dict
+    and the optimizer's parameter ranges), not by megatron's ``fully_reshardable`` save, whose
+    gather in megatron-core 0.16.1 is not exact."""
     from checkpointing import base_layout
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    state = base_layout(
-        model, optimizer, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
-    )
-    pieces = []
-    for t in nested_values(state):
+    from megatron_diffckpt.patches import optimizer_layout, optimizer_step
+    from megatron_diffckpt.shard_map import STATE_NAMES, build_shard_map
+
+    state = base_layout(model, optimizer)
+    shapes, pieces = {}, []
+    for t in nested_values(state["model"]):
         if not isinstance(t, ShardedTensor):
             continue
+        shapes[t.key] = tuple(t.global_shape)
         replica = t.replica_id if isinstance(t.replica_id, tuple) else (t.replica_id,)
         if all(r == 0 for r in replica):
-            pieces.append(
-                (
-                    t.key,
-                    tuple(t.global_shape),
-                    tuple(t.global_offset),
-                    t.data.detach().cpu().clone(),
-                )
-            )
+            flat = t.data.detach().cpu().reshape(-1).clone()
+            pieces.append((t.key, shapes[t.key], tuple(t.global_offset), tuple(t.data.shape),
+                           (0, flat.numel()), flat))  # fmt: skip
+    inners = optimizer_step.inner_optimizers(optimizer)
+    torch_optimizers = [i.optimizer for i in inners]
+    coords = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    smap = build_shard_map(
+        state, torch_optimizers, optimizer_layout.main_param_sources(optimizer), "", coords,
+        (0, 0, 0),
+    )  # fmt: skip
+    for torch_opt, entry in zip(torch_optimizers, smap.inner, strict=True):
+        for group, entries in zip(torch_opt.param_groups, entry.groups, strict=True):
+            for p, e in zip(group["params"], entries, strict=True):
+                values = {"param": p, **{n: torch_opt.state[p][n] for n in STATE_NAMES}}
+                for m in e.model:
+                    if not m.saved_by_data_parallel_ranks():
+                        continue
+                    for name, v in values.items():
+                        pieces.append((f"optimizer.state.{name}.{m.key}", shapes[m.key],
+                                       m.global_offset, m.local_shape, tuple(e.model_range),
+                                       v.detach().cpu().reshape(-1).clone()))  # fmt: skip
     return pieces
 
 

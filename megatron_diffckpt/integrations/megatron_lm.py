@@ -186,6 +186,8 @@ class _Run:
         if self.config.full_interval:  # Megatron-LM saves at multiples of --save-interval
             args.save_interval = self.config.full_interval
         self.manager.start(args.iteration, args.save_interval or 0)
+        if loaded and args.ckpt_format == "torch_dist":  # the loaded optimizer state: the map now
+            self._record_shard_map(args.iteration)
 
     def restore_recovered_rng(self, keep: bool = False) -> None:
         """Set the RNG states of the recovered iteration: at the first ``train_step`` (then they
@@ -217,11 +219,6 @@ class _Run:
         from megatron.core import parallel_state as mpu
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args, get_timers
-        from megatron.training.checkpointing import (
-            _build_sharded_state_dict_metadata,
-            generate_state_dict,
-        )
-        from megatron.training.utils import unwrap_model
 
         args = get_args()
         iteration = args.curr_iteration + 1
@@ -234,6 +231,22 @@ class _Run:
         timers("diffckpt-diff").stop()
         if args.log_interval and iteration % args.log_interval == 0:
             self._log(iteration, args.log_interval)
+        self._record_shard_map(iteration)
+        if self.config.auto_tune:
+            args.save_interval = self.manager.full_interval
+
+    def _record_shard_map(self, iteration: int) -> None:
+        """The rank's shard map (``megatron-diffckpt merge``), once the optimizer has state:
+        after a load, or after the first step. All ranks."""
+        from megatron.core import parallel_state as mpu
+        from megatron.training import get_args
+        from megatron.training.checkpointing import (
+            _build_sharded_state_dict_metadata,
+            generate_state_dict,
+        )
+        from megatron.training.utils import unwrap_model
+
+        args = get_args()
 
         def sharded_state_dict() -> dict:  # as save_checkpoint builds it
             meta = _build_sharded_state_dict_metadata(args)
@@ -254,8 +267,6 @@ class _Run:
             mpu.get_data_parallel_world_size(),
         )
         self.manager.record_shard_map(sharded_state_dict, parallel)
-        if self.config.auto_tune:
-            args.save_interval = self.manager.full_interval
 
     def _log(self, iteration: int, interval: int) -> None:
         """Megatron-LM's timer line for ``diffckpt-diff`` (min/max across ranks), the manager's
@@ -334,6 +345,16 @@ def _setup_wrapper(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def setup_model_and_optimizer(*args, **kwargs):
+        from megatron.training import get_args
+
+        margs = get_args()
+        checkpoint = _checkpoint_being_loaded(margs)
+        if checkpoint is not None and margs.ckpt_format == "torch_dist":
+            # A dp_reshardable base under another TP or PP size: one line naming the merge
+            # that makes it loadable, before Megatron-LM's own error (which names another flag).
+            base_checkpoint.check_base_layout(
+                checkpoint, margs.tensor_model_parallel_size, margs.pipeline_model_parallel_size
+            )
         start = time.perf_counter()
         model, optimizer, scheduler = original(*args, **kwargs)
         RUN.begin(model, optimizer, scheduler, time.perf_counter() - start)
