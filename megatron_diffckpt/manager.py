@@ -290,9 +290,9 @@ class DiffCheckpointManager:
         self.full_interval = full_interval
         self._last_base = iteration
         # A job that starts without a base to recover from (from scratch) has no recoverable
-        # state until its first base: the training loop saves one at the start (base_due), in
-        # the background where its saves are asynchronous (LowDiff+: always), and every
-        # iteration after it is recoverable from then on.
+        # state until its first base: the training loop saves one at the start (base_due), and
+        # it is published before the first iteration (LowDiff+ waits for its persister; a loop
+        # with asynchronous saves finalizes it), so every iteration is recoverable.
         self._start_base = iteration if self._recovery is None else None
         children_die_with_this_process()  # megatron's writers never outlive a killed rank
         base_checkpoint.warm_up_writer()  # the first base then costs what later ones cost
@@ -424,11 +424,15 @@ class DiffCheckpointManager:
         A base that would not fit in the space left under ``--save``, or whose save fails for
         want of space, is handled by :meth:`base_failed`'s rules (skipped, or the job stopped)."""
         start = time.perf_counter()
+        first = iteration == self._start_base
         waited = base_checkpoint.wait_for_writer()
         if not self._base_fits(iteration):
             return time.perf_counter() - start
         try:
             blocked = waited + self.strategy.save_base(iteration, save)
+            if first:  # a job's starting point is published before its first iteration
+                self.strategy.finish_bases()
+                blocked = time.perf_counter() - start
         except full_storage.SAVE_FAILURES as exc:
             self.base_failed(iteration, exc)
             return time.perf_counter() - start

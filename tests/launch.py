@@ -213,6 +213,12 @@ def recovered_iteration(proc: subprocess.CompletedProcess) -> int:
     return int(m.group(1))
 
 
+def uninterrupted_dumps(out: Path, *args: str) -> list[dict]:
+    """The final per-rank states (``--dump-state out``) of an uninterrupted 2-process run."""
+    run_gpt(2, *args, "--dump-state", str(out))
+    return load_dumps(out, 2)
+
+
 def load_dumps(path: Path, nproc: int) -> list[dict]:
     """The per-rank states that ``--dump-state`` wrote."""
     return [torch.load(path / f"rank_{r}.pt", weights_only=True) for r in range(nproc)]

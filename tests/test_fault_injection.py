@@ -47,7 +47,7 @@ from launch import (
     load_dumps,
     rank_process,
     run_cli,
-    run_gpt,
+    uninterrupted_dumps,
 )
 
 from megatron_diffckpt import failpoints
@@ -184,8 +184,7 @@ def _run_to_fault(attempt: Attempt, plan: Plan, start: int, ckpt: Path, since: f
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    run_gpt(2, *COMMON, "--train-iters", str(TOTAL), "--dump-state", str(out))
-    return load_dumps(out, 2)
+    return uninterrupted_dumps(out, *COMMON, "--train-iters", str(TOTAL))
 
 
 @pytest.mark.distributed
@@ -206,44 +205,51 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
     faults: list[tuple[str, str, int]] = []  # (how, who was killed, iteration the job reached)
     rows: list[tuple[int, str, str, int, int, int]] = []
     at = 0  # the newest iteration the job completed
-    while True:
-        kind = order.pop() if order else rng.choice(KINDS)
-        if kind == "replay" and at - max(_tracker(ckpt), 0) < 3:
-            kind = "iteration-one"
-        plan = _draw(rng, kind, at, ckpt) if len(faults) < FAULTS else Plan("none")
-        since = time.time()
-        attempt = _start(job, plan.env)
-        if plan.kind == "none":
-            attempt.proc.wait(RUN_TIMEOUT_S)
-            how = f"exit {attempt.proc.returncode}"
-        else:
-            how = _run_to_fault(attempt, plan, at, ckpt, since)
-        # No base to load: a start from scratch. This closes the previous fault's row.
-        recovered = attempt.target if attempt.target is not None else 0
-        if faults:
-            how_before, who, reached = faults[-1]
-            rows.append((len(faults), how_before, who, reached, recovered, reached - recovered))
-        if how.startswith("exit"):
-            assert how == "exit 0" and plan.kind == "none", (
-                f"attempt with plan {plan} ended {how}:\n{attempt.tail()}"
-            )
-            break
-        who = "all" if plan.rank is None or how == "fallback" else f"rank {plan.rank}"
-        at = max(attempt.logged, default=recovered)
-        if how.startswith("base"):  # the base's iteration is done; its log line follows the save
-            at = max(at, plan.base)
-        faults.append((how, who, at))
 
-    header = f"{'#':>3} {'fault':<14} {'killed':<7} {'reached':>7} {'recovered':>9} {'lost':>4}"
-    lines = [f"{mode}: seed {seed}, {len(rows)} faults (DIFFCKPT_FAULT_SEED={seed} replays them)",
-             header]  # fmt: skip
-    lines += [f"{n:>3} {k:<14} {w:<7} {r:>7} {c:>9} {lost:>4}" for n, k, w, r, c, lost in rows]
+    def table() -> str:  # reported whether the test passes or not, with the seed to replay it
+        header = f"{'#':>3} {'fault':<14} {'killed':<7} {'reached':>7} {'recovered':>9} {'lost':>4}"
+        lines = [f"{mode}: seed {seed}, {len(rows)} faults (DIFFCKPT_FAULT_SEED={seed} replays "
+                 "them)", header]  # fmt: skip
+        lines += [f"{n:>3} {k:<14} {w:<7} {r:>7} {c:>9} {x:>4}" for n, k, w, r, c, x in rows]
+        if rows:
+            lost = [row[-1] for row in rows]
+            lines.append(f"lost per fault: max {max(lost)}, mean {sum(lost) / len(lost):.2f}")
+        return "\n".join(lines)
+
+    try:
+        while True:
+            kind = order.pop() if order else rng.choice(KINDS)
+            if kind == "replay" and at - max(_tracker(ckpt), 0) < 3:
+                kind = "iteration-one"
+            plan = _draw(rng, kind, at, ckpt) if len(faults) < FAULTS else Plan("none")
+            since = time.time()
+            attempt = _start(job, plan.env)
+            if plan.kind == "none":
+                attempt.proc.wait(RUN_TIMEOUT_S)
+                how = f"exit {attempt.proc.returncode}"
+            else:
+                how = _run_to_fault(attempt, plan, at, ckpt, since)
+            # No base to load: a start from scratch. This closes the previous fault's row.
+            recovered = attempt.target if attempt.target is not None else 0
+            if faults:
+                how_before, who, reached = faults[-1]
+                rows.append((len(faults), how_before, who, reached, recovered, reached - recovered))
+            if how.startswith("exit"):
+                assert how == "exit 0" and plan.kind == "none", (
+                    f"attempt with plan {plan} ended {how}:\n{attempt.tail()}"
+                )
+                break
+            who = "all" if plan.rank is None or how == "fallback" else f"rank {plan.rank}"
+            at = max(attempt.logged, default=recovered)
+            if how.startswith("base"):  # its iteration is done; the log line follows the save
+                at = max(at, plan.base)
+            faults.append((how, who, at))
+    finally:
+        fault_report(table())
+
     lost = [row[-1] for row in rows]
-    lines.append(f"lost per fault: max {max(lost)}, mean {sum(lost) / len(lost):.2f}")
-    fault_report("\n".join(lines))
-
     assert len(rows) >= FAULTS
-    assert max(lost) <= MODES[mode], "\n".join(lines)
+    assert max(lost) <= MODES[mode], table()
     kinds = {row[1] for row in rows}
     assert {"segment-write", "replay"} <= kinds and kinds & {"base-one", "base-all"}, kinds
     final = load_dumps(dumps, 2)

@@ -13,7 +13,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from launch import TINY_GPT, assert_same_state, load_dumps, run_gpt, run_until_killed
+from launch import (
+    TINY_GPT,
+    assert_same_state,
+    load_dumps,
+    run_gpt,
+    run_until_killed,
+    uninterrupted_dumps,
+)
 
 TOTAL = 6
 F = 3
@@ -26,8 +33,7 @@ POINTS = ["first-base", 1, F - 1, F, F + 1]
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    run_gpt(2, *COMMON, "--train-iters", str(TOTAL), "--dump-state", str(out))
-    return load_dumps(out, 2)
+    return uninterrupted_dumps(out, *COMMON, "--train-iters", str(TOTAL))
 
 
 @pytest.mark.distributed

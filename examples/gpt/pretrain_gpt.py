@@ -467,7 +467,11 @@ def train(args) -> int:
         checkpointer = DcpCheckpointer(args.save, args.async_save)
     else:
         checkpointer = Checkpointer(
-            args.save, args.async_save, manager.on_base_published if manager else None, residuals
+            args.save,
+            args.async_save,
+            manager.on_base_published if manager else None,
+            residuals,
+            manager.base_failed if manager else None,
         )
     if manager is not None:
         manager.start(iteration, args.base_interval)
@@ -500,10 +504,11 @@ def train(args) -> int:
         logger.info("saving the base of the recovered iteration %d (end of training)", iteration)
         save_base(iteration, consumed)
     elif args.save is not None and manager is not None and manager.base_due(iteration):
-        # A job from scratch: its starting point is a base too, so that every iteration is
-        # recoverable from the first on (asynchronous with --async-save and with LowDiff+).
+        # A job from scratch: its starting point is a base too, published before the first
+        # iteration, so that every iteration is recoverable from the first on.
         logger.info("saving the base of iteration %d, where this job starts", iteration)
         save_base(iteration, consumed)
+        checkpointer.finalize(blocking=True)  # published before the first iteration
 
     losses: list[float] = []
     skipped = 0

@@ -373,6 +373,8 @@ def _setup_wrapper(original: Callable) -> Callable:
                 get_args().num_floating_point_operations_so_far,
                 checkpointing_context=context,
             )
+            if RUN.base_loaded is None:  # a job's starting point: published before step 1
+                training.maybe_finalize_async_save(blocking=True)
         return model, optimizer, scheduler
 
     return setup_model_and_optimizer
