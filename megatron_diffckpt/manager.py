@@ -35,6 +35,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -448,11 +449,8 @@ class DiffCheckpointManager:
         unknown = 2**62  # what the other ranks contribute: the MIN is rank 0's measurement
         fits, needed, free = True, unknown, unknown
         if torch.distributed.get_rank() == 0:
-            newest = self._newest_published()
             fits, needed, free = full_storage.base_fits(
-                self.save_dir,
-                None if newest is None else checkpoint_dir(self.save_dir, newest),
-                floor,
+                self.save_dir, self._newest_published_dir(), floor
             )
         fits, needed, free = recovery.all_reduce_min([int(fits), needed, free])
         if fits:
@@ -490,10 +488,9 @@ class DiffCheckpointManager:
         raised again."""
         reason = full_storage.full_reason(exc)
         if reason is None and torch.distributed.get_rank() == 0:
-            newest = self._newest_published()
             reason = full_storage.looks_full(
                 self.save_dir,
-                None if newest is None else checkpoint_dir(self.save_dir, newest),
+                self._newest_published_dir(),
                 checkpoint_dir(self.save_dir, iteration),
             )
         if recovery.all_reduce_min([0 if reason else 1])[0] == 1:
@@ -521,8 +518,7 @@ class DiffCheckpointManager:
             )
         if self._base_full_since is None:
             self._base_full_since = iteration
-            log = logger.warning if torch.distributed.get_rank() == 0 else logger.info
-            log(
+            self._warn_once_per_job(
                 "storage under %s is full (%s): base %d was NOT saved, and bases are skipped "
                 "until there is space again; %s (--diffckpt-when-full skip)",
                 self.save_dir,
@@ -546,6 +542,18 @@ class DiffCheckpointManager:
             return find_latest_iteration(self.save_dir)
         except CheckpointNotFoundError:
             return None
+
+    def _newest_published_dir(self) -> Path | None:
+        """The folder of the newest published base, or ``None``. Any rank."""
+        newest = self._newest_published()
+        return None if newest is None else checkpoint_dir(self.save_dir, newest)
+
+    @staticmethod
+    def _warn_once_per_job(msg: str, *args: object) -> None:
+        """A storage incident every rank sees: a warning on rank 0, info elsewhere (one warning
+        per job, not one per rank). Any rank."""
+        log = logger.warning if torch.distributed.get_rank() == 0 else logger.info
+        log(msg, *args)
 
     def on_base_saved(self, iteration: int, blocked_s: float) -> None:
         """A base of ``iteration`` was started; training was blocked ``blocked_s``. All ranks.
@@ -574,8 +582,7 @@ class DiffCheckpointManager:
         All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
         self._published_bases.append(iteration)
         if self._base_full_since is not None:
-            log = logger.warning if torch.distributed.get_rank() == 0 else logger.info
-            log(
+            self._warn_once_per_job(
                 "storage under %s has space again: base %d published (bases from %d on were "
                 "skipped)",
                 self.save_dir,

@@ -16,8 +16,9 @@ this module holds what they share, so that no training loop copies it:
   drift-checked (``AsyncRequest`` is a ``NamedTuple`` in the tested releases).
 - :func:`warm_up_writer` / :func:`wait_for_writer`: megatron's checkpoint writer starts a
   ``multiprocessing`` manager by *spawn* the first time a process saves (a few seconds, on the
-  training thread, at the first base); the manager starts it at start-up on a background
-  thread instead, so the first base costs what later ones cost.
+  training thread, at the first base: the spawned interpreter re-runs the entry script); the
+  manager starts it at start-up on a background thread instead, by *fork* (milliseconds), so
+  the first base costs what later ones cost.
 - :func:`check_base_shapes`: a base of another model is refused in one line;
   :func:`check_base_layout`: so is a ``dp_reshardable`` base under another TP or PP size (with
   the merge that makes it loadable), and a loader learns the base's optimizer format and whether
@@ -44,7 +45,7 @@ from typing import Any
 
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.full_storage import SAVE_FAILURES
-from megatron_diffckpt.patches.base import MethodPatch, PatchSet
+from megatron_diffckpt.patches.base import MegatronDriftError, MethodPatch, PatchSet
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ PATCHES = PatchSet(
             target=f"{_FS_ASYNC}:_get_write_results_queue",
             expected_signature="()",
             make_wrapper=lambda original: original,
-            purpose="start megatron's checkpoint writer at start-up, off the training path",
+            purpose="start megatron's checkpoint writer at start-up, off the training path "
+            "(warm_up_writer sets the module's _results_queue, which it returns)",
         ),
     )
 )
@@ -213,10 +215,16 @@ def warm_up_writer() -> Future:
         import importlib
 
         module = importlib.import_module(_FS_ASYNC)
+        if not hasattr(module, "_results_queue"):
+            raise MegatronDriftError(
+                f"megatron-core drift at {_FS_ASYNC}: its module global _results_queue (the "
+                "file writer's results queue, which the warm-up sets) is gone"
+            )
 
         def warm() -> float:
             start = time.perf_counter()
-            module._get_write_results_queue()
+            if module._results_queue is None:
+                module._results_queue = _fork_results_queue()
             return time.perf_counter() - start
 
         def report(done: Future) -> None:
@@ -243,6 +251,26 @@ def warm_up_writer() -> Future:
         threading.Thread(target=run, name="diffckpt-writer-warm-up", daemon=True).start()
         _WARM_UP = future
     return _WARM_UP
+
+
+def _fork_results_queue() -> Any:
+    """The results queue of megatron's file writer, served by a ``multiprocessing`` manager
+    started by *fork* (megatron's own default is *spawn*).
+
+    A spawned interpreter re-runs the rank's entry script before it serves (the whole of
+    Megatron-LM's ``pretrain_gpt.py`` imports: about 10 CPU-seconds and hundreds of MB per rank,
+    then a second of shutdown at exit); a forked one serves at once, already holding the modules
+    of what it will carry (DCP's ``WriteResult``, imported here before the fork, so the child
+    never imports). Megatron forks its file writers from the rank in the same way, and
+    megatron-core 0.19 offers the fork mode for this queue itself (``mp_mode``). Like every
+    process a rank forks, the manager dies with the thread that started it
+    (:func:`~megatron_diffckpt.background.children_die_with_this_process`): the warm-up thread,
+    which stays for the life of the rank."""
+    import multiprocessing
+
+    import torch.distributed.checkpoint.storage  # noqa: F401 - the queue carries WriteResults
+
+    return multiprocessing.get_context("fork").Manager().Queue()
 
 
 def wait_for_writer() -> float:
