@@ -17,7 +17,14 @@ SHARED_CANDIDATES := $(abspath ../shared/megatron-lm/core_v0.16.1) \
 SHARED_MEGATRON_LM := $(firstword $(foreach d,$(SHARED_CANDIDATES),$(if $(wildcard $(d)/megatron/training),$(d))))
 MEGATRON_LM ?= $(SHARED_MEGATRON_LM)
 
-.PHONY: venv demo test test-quick lint bench clean slurm-deps slurm-test megatron-lm-test
+# The newest lane: Python 3.12 (python3.12 on PATH, or pyenv's), megatron-core 0.19.0 and the
+# Megatron-LM checkout of its release, in .venv-newest/ (requirements/newest.txt).
+PYTHON_NEWEST ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(if $(shell $(p) -c 'import sys; print(sys.version_info[:2] == (3, 12))' 2>/dev/null | grep True),$(p))))
+VENV_NEWEST := .venv-newest
+STAMP_NEWEST := $(VENV_NEWEST)/.installed
+MEGATRON_LM_NEWEST ?= $(patsubst %/core_v0.16.1,%/core_v0.19.0,$(SHARED_MEGATRON_LM))
+
+.PHONY: venv demo test test-quick test-newest lint bench clean slurm-deps slurm-test megatron-lm-test
 
 venv: $(STAMP)
 
@@ -41,7 +48,20 @@ $(MLM_STAMP): $(STAMP) requirements/megatron-lm.txt
 # The test suite (what .ci/run runs), Megatron-LM's training loop included when a checkout is found.
 test: $(STAMP) $(if $(MEGATRON_LM),$(MLM_STAMP))
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
-	MEGATRON_LM="$(MEGATRON_LM)" $(VENV)/bin/python -m pytest tests
+	MEGATRON_LM="$(MEGATRON_LM)" $(VENV)/bin/python -m pytest --durations=20 tests
+
+# The whole suite against megatron-core 0.19.0 on Python 3.12 (its own venv and pins).
+$(STAMP_NEWEST): requirements/newest.txt pyproject.toml
+	@test -n "$(PYTHON_NEWEST)" || { echo "the newest lane needs Python 3.12: set PYTHON_NEWEST" >&2; exit 2; }
+	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_NEWEST)/bin/python -m pip install --quiet -r requirements/newest.txt
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $(STAMP_NEWEST)
+
+test-newest: $(STAMP_NEWEST)
+	DIFFCKPT_PINS=requirements/newest.txt MEGATRON_LM="$(MEGATRON_LM_NEWEST)" \
+		$(VENV_NEWEST)/bin/python -m pytest --durations=20 tests
 
 # The inner loop: the tests that start no training processes (about a minute).
 test-quick: $(STAMP)
@@ -78,4 +98,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check megatron_diffckpt examples tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEWEST) runs .pytest_cache

@@ -8,6 +8,7 @@ expected signature and TESTED_MEGATRON_CORE_VERSIONS.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from importlib.metadata import version
 from pathlib import Path
@@ -24,21 +25,26 @@ from megatron_diffckpt.patches import (
 REPO = Path(__file__).resolve().parent.parent
 
 
+# The lane's pins: requirements/cpu.txt (make test, CI), or requirements/newest.txt
+# (make test-newest sets DIFFCKPT_PINS).
+PINS = os.environ.get("DIFFCKPT_PINS") or "requirements/cpu.txt"
+
+
 def _pin(package: str) -> str:
-    text = (REPO / "requirements" / "cpu.txt").read_text()
+    text = (REPO / PINS).read_text()
     match = re.search(rf"^{re.escape(package)}==(\S+)$", text, re.MULTILINE)
-    assert match, f"requirements/cpu.txt has no exact pin for {package}"
+    assert match, f"{PINS} has no exact pin for {package}"
     return match.group(1)
 
 
 def test_installed_megatron_core_is_the_pinned_and_tested_one():
     pinned, installed = _pin("megatron-core"), version("megatron-core")
     assert installed == pinned, (
-        f"megatron-core {installed} is installed but requirements/cpu.txt pins {pinned}: "
-        "run `make venv` (or `pip install -r requirements/cpu.txt`)"
+        f"megatron-core {installed} is installed but {PINS} pins {pinned}: "
+        f"run `make venv` or `make test-newest` (or `pip install -r {PINS}`)"
     )
     assert pinned in TESTED_MEGATRON_CORE_VERSIONS, (
-        f"requirements/cpu.txt pins megatron-core {pinned}, but the patches were tested with "
+        f"{PINS} pins megatron-core {pinned}, but the patches were tested with "
         f"{TESTED_MEGATRON_CORE_VERSIONS}: run the suite against {pinned}, then add it to "
         "TESTED_MEGATRON_CORE_VERSIONS in megatron_diffckpt/patches/base.py"
     )

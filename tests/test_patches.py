@@ -58,7 +58,7 @@ def test_drift_names_expected_found_and_versions():
     with pytest.raises(MegatronDriftError) as exc:
         p.apply()
     text = str(exc.value)
-    assert "expected signature (self, x), found (self, x, y=1)" in text
+    assert "expected signature (self, x) (0.16.1), found (self, x, y=1)" in text
     assert f"{__name__}:Target.method" in text
     assert all(v in text for v in TESTED_MEGATRON_CORE_VERSIONS)
     assert not p.applied and Target().method(1) == 2
@@ -67,9 +67,19 @@ def test_drift_names_expected_found_and_versions():
 def test_drift_of_a_required_function_is_caught():
     p = _patch(requires=((f"{__name__}:helper", "(a, b)"),))
     with pytest.raises(
-        MegatronDriftError, match=r"helper .*expected signature \(a, b\), found \(a\)"
+        MegatronDriftError, match=r"helper .*expected signature \(a, b\) \(0.16.1\), found \(a\)"
     ):
         p.check_drift()
+
+
+def test_signatures_per_release_accept_any_and_name_each():
+    assert not _patch(signature={"0.16.1": "(self, x)", "0.19.0": "(self, x, y=1)"}).check_drift()
+    p = _patch(signature={"0.16.1": "(self, x)", "0.19.0": "(self, x, y=2)"})
+    with pytest.raises(MegatronDriftError) as exc:
+        p.check_drift()
+    assert "expected signature (self, x) (0.16.1) or (self, x, y=2) (0.19.0), found" in str(
+        exc.value
+    )
 
 
 def test_missing_target_is_drift():

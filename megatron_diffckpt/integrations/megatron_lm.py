@@ -76,7 +76,10 @@ logger = logging.getLogger(__name__)
 # Megatron-LM versions (git tags of its repository) these hooks were checked against, and the
 # commit of each tag (the Dockerfile fetches Megatron-LM by commit).
 TESTED_MEGATRON_LM_VERSIONS = ("core_v0.16.1",)
-MEGATRON_LM_COMMITS = {"core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6"}
+MEGATRON_LM_COMMITS = {
+    "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
+    "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
+}
 
 _T = "megatron.training.training"
 _C = "megatron.training.checkpointing"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +34,22 @@ def installed_megatron_core_version() -> str:
 
 
 def signature_of(fn: Callable) -> str:
-    """``inspect.signature`` as text, the form the drift checks compare."""
-    return str(inspect.signature(fn))
+    """``inspect.signature`` as text, the form the drift checks compare. Annotations a module
+    keeps as strings (``from __future__ import annotations``, as some megatron-core modules do
+    from 0.17 on) are evaluated first, so the text does not depend on how the module spells
+    them; where one cannot be evaluated (a name imported for type checkers only) it stays text."""
+    try:
+        return str(inspect.signature(fn, eval_str=True))
+    except Exception:  # noqa: BLE001 - any failure to evaluate leaves the annotations as text
+        return str(inspect.signature(fn))
+
+
+def _known(expected: str | Mapping[str, str]) -> dict[str, str]:
+    """An expected signature as ``{releases: signature}``; a plain string holds for every
+    tested release."""
+    if isinstance(expected, str):
+        return {", ".join(TESTED_MEGATRON_CORE_VERSIONS): expected}
+    return dict(expected)
 
 
 @dataclass
@@ -44,7 +58,9 @@ class MethodPatch:
 
     Attributes:
         target: ``"package.module:Class.method"`` or ``"package.module:function"``.
-        expected_signature: ``str(inspect.signature(original))`` as written for.
+        expected_signature: :func:`signature_of` the original as written for: one text for
+            every tested release, or ``{release: text}`` where megatron-core releases differ
+            (any of them passes).
         make_wrapper: builds the replacement from the original (a wrapper that calls it, or, in
             CPU mode only, a CPU implementation of a CUDA-only helper).
         purpose: one line for error messages and the README.
@@ -53,10 +69,10 @@ class MethodPatch:
     """
 
     target: str
-    expected_signature: str
+    expected_signature: str | Mapping[str, str]
     make_wrapper: Callable[[Callable], Callable]
     purpose: str
-    requires: tuple[tuple[str, str], ...] = ()
+    requires: tuple[tuple[str, str | Mapping[str, str]], ...] = ()
     _original: Any = field(default=None, init=False, repr=False)
 
     @staticmethod
@@ -83,7 +99,7 @@ class MethodPatch:
         """Raise :class:`MegatronDriftError` if a signature this patch relies on has changed."""
         fn = self._original if self._original is not None else self.current()
         found = signature_of(fn)
-        if found != self.expected_signature:
+        if found not in _known(self.expected_signature).values():
             raise MegatronDriftError(
                 self._drift_message(self.target, self.expected_signature, found)
             )
@@ -94,13 +110,14 @@ class MethodPatch:
                 if hasattr(owner, name)
                 else "<missing>"
             )
-            if found != expected:
+            if found not in _known(expected).values():
                 raise MegatronDriftError(self._drift_message(target, expected, found))
 
-    def _drift_message(self, target: str, expected: str, found: str) -> str:
+    def _drift_message(self, target: str, expected: str | Mapping[str, str], found: str) -> str:
+        known = " or ".join(f"{sig} ({releases})" for releases, sig in _known(expected).items())
         return (
             f"megatron-core drift at {target} (needed to {self.purpose}): expected signature "
-            f"{expected}, found {found}. Installed megatron-core "
+            f"{known}, found {found}. Installed megatron-core "
             f"{installed_megatron_core_version()}; the patch was tested with "
             f"{', '.join(TESTED_MEGATRON_CORE_VERSIONS)}. Install a tested version, or update "
             f"the patch and its expected signature after checking the new code."

@@ -59,9 +59,12 @@ PATCHES = PatchSet(
     (
         MethodPatch(
             target=f"{_ASYNC}:AsyncRequest",
-            expected_signature="(async_fn: Optional[Callable], async_fn_args: Tuple, "
-            "finalize_fns: List[Callable], async_fn_kwargs: Dict = {}, preload_fn: Callable = "
-            "None, is_frozen: bool = False, call_idx: int = 0)",
+            expected_signature={
+                release: "(async_fn: Optional[Callable], async_fn_args: Tuple, finalize_fns: "
+                f"List[Callable], async_fn_kwargs: Dict = {{}}, preload_fn: {preload} = None, "
+                "is_frozen: bool = False, call_idx: int = 0)"
+                for release, preload in (("0.16.1", "Callable"), ("0.19.0", "Optional[Callable]"))
+            },
             make_wrapper=lambda original: original,
             purpose="write a LowDiff+ base from the replica on the persister thread",
             requires=((f"{_ASYNC}:AsyncRequest.execute_sync", "(self) -> None"),),
@@ -74,16 +77,37 @@ PATCHES = PatchSet(
             "the saves after it (the failed save has left the queue when megatron raises)",
             requires=((f"{_ASYNC}:AsyncCallsQueue.get_num_unfinalized_calls", "(self)"),),
         ),
-        MethodPatch(
-            target=f"{_FS_ASYNC}:_get_write_results_queue",
-            expected_signature="()",
-            make_wrapper=lambda original: original,
-            purpose="start megatron's checkpoint writer at start-up, off the training path "
-            "(warm_up_writer sets the module's _results_queue, which it returns)",
-        ),
     )
 )
-check_drift = PATCHES.check_drift
+
+# The file writer's results queue: a module global that megatron creates on first use through
+# its accessor (renamed, and given a start-method argument, in 0.19).
+_QUEUE_ACCESSORS = {"0.16.1": "_get_write_results_queue", "0.19.0": "get_write_results_queue"}
+
+
+def _writer_module() -> Any:
+    """megatron's ``filesystem_async`` module, checked to hold the results queue as the warm-up
+    expects (the global ``_results_queue`` and an accessor that returns it)."""
+    import importlib
+
+    module = importlib.import_module(_FS_ASYNC)
+    if not hasattr(module, "_results_queue") or not any(
+        hasattr(module, name) for name in _QUEUE_ACCESSORS.values()
+    ):
+        known = ", ".join(f"{name} ({release})" for release, name in _QUEUE_ACCESSORS.items())
+        raise MegatronDriftError(
+            f"megatron-core drift at {_FS_ASYNC} (needed to start megatron's checkpoint writer "
+            "at start-up, off the training path): expected the module global _results_queue "
+            f"and its accessor, one of {known}"
+        )
+    return module
+
+
+def check_drift() -> None:
+    """Raise :class:`MegatronDriftError` if what this module relies on has changed."""
+    PATCHES.check_drift()
+    _writer_module()
+
 
 RESIDUALS_KEY = "diffckpt_error_feedback"
 """Prefix of the residuals' key; the full key names the (PP, TP, DP) sizes."""
@@ -212,14 +236,7 @@ def warm_up_writer() -> Future:
     global _WARM_UP
     if _WARM_UP is None:
         check_drift()
-        import importlib
-
-        module = importlib.import_module(_FS_ASYNC)
-        if not hasattr(module, "_results_queue"):
-            raise MegatronDriftError(
-                f"megatron-core drift at {_FS_ASYNC}: its module global _results_queue (the "
-                "file writer's results queue, which the warm-up sets) is gone"
-            )
+        module = _writer_module()
 
         def warm() -> float:
             start = time.perf_counter()

@@ -13,6 +13,10 @@ same bookkeeping (first-batch rule, one outstanding handle, gradient checks, the
 :class:`~megatron_diffckpt.exchange.PendingExchange` as the handle, so megatron's own
 ``finish_grad_sync`` and ``register_grad_ready`` drive it unchanged, with and without overlap.
 
+Written for megatron-core 0.16.1; what 0.17 to 0.19 added at the top of ``start_grad_sync``
+(waiting on CUDA-graph gradient events, copying a separately accumulated fp32 ``.main_grad``
+into the buffer) is done too, and is a no-op where those do not exist.
+
 Not supported (refused at attach): several distributed-optimizer instances
 (``num_distributed_optimizer_instances > 1``) and ``reduce_scatter_with_fp32_accumulation``.
 """
@@ -124,6 +128,8 @@ def _make_start_grad_sync(group: Any, exchange: SparseAllReduce, keys: list[str]
         if group.is_first_batch and group.grad_reduce_handle is not None:
             return  # already dispatched in the first batch (megatron's rule)
         assert group.grad_reduce_handle is None, "one gradient exchange at a time per bucket group"
+        _wait_for_cuda_graph_gradients(group)
+        _copy_in_extra_main_grads(group)
         if config.check_for_nan_in_grad or config.check_for_large_grads:
             group.check_grads(
                 check_for_nan_or_inf=config.check_for_nan_in_grad,
@@ -148,3 +154,33 @@ def _make_start_grad_sync(group: Any, exchange: SparseAllReduce, keys: list[str]
             group.grad_reduce_handle = None
 
     return start_grad_sync
+
+
+def _wait_for_cuda_graph_gradients(group: Any) -> None:
+    """What megatron-core 0.19 does first in ``start_grad_sync``: a local CUDA graph replay
+    accumulates gradients asynchronously and marks a parameter's with an event; the current
+    stream waits on each before the buckets are read. A no-op without CUDA graphs."""
+    events = {
+        id(event): event
+        for bucket in group.buckets
+        for param in bucket.params_list
+        if (event := getattr(param, "_cudagraph_wgrad_ready_event", None)) is not None
+    }
+    if events:
+        import torch
+
+        stream = torch.cuda.current_stream()
+        for event in events.values():
+            stream.wait_event(event)
+
+
+def _copy_in_extra_main_grads(group: Any) -> None:
+    """What megatron-core 0.17 and later do first in ``start_grad_sync``: a parameter whose
+    gradient is accumulated locally in a separate fp32 ``.main_grad`` has it copied into the
+    communication buffer before the collective (megatron's ``finish_grad_sync`` copies the
+    reduced result back). A no-op in 0.16, whose buckets have no such parameters."""
+    for bucket in group.buckets:
+        for param in getattr(bucket, "params_with_extra_main_grads", ()):
+            copy_in = getattr(param, "main_grad_copy_in_grad_buffer", None)
+            if copy_in is not None:
+                copy_in.copy_(param.main_grad)
