@@ -235,8 +235,8 @@ def warm_up_writer() -> Future:
     ready. Any rank; idempotent (once per process). Returns the future of the seconds it took."""
     global _WARM_UP
     if _WARM_UP is None:
-        check_drift()
-        module = _writer_module()
+        PATCHES.check_drift()
+        module = _writer_module()  # the rest of check_drift()
 
         def warm() -> float:
             start = time.perf_counter()
@@ -275,9 +275,9 @@ def _fork_results_queue() -> Any:
     started by *fork* (megatron's own default is *spawn*).
 
     A spawned interpreter re-runs the rank's entry script before it serves (the whole of
-    Megatron-LM's ``pretrain_gpt.py`` imports: about 10 CPU-seconds and hundreds of MB per rank,
-    then a second of shutdown at exit); a forked one serves at once, already holding the modules
-    of what it will carry (DCP's ``WriteResult``, imported here before the fork, so the child
+    Megatron-LM's ``pretrain_gpt.py`` imports: about 10 CPU-seconds per rank on the CI machines,
+    then most of a second of shutdown at exit); a forked one serves at once, already holding
+    the modules of what it will carry (DCP's ``WriteResult``, imported here before the fork, so the child
     never imports). Megatron forks its file writers from the rank in the same way, and
     megatron-core 0.19 offers the fork mode for this queue itself (``mp_mode``). Like every
     process a rank forks, the manager dies with the thread that started it
