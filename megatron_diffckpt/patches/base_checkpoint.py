@@ -277,8 +277,8 @@ def _fork_results_queue() -> Any:
     A spawned interpreter re-runs the rank's entry script before it serves (the whole of
     Megatron-LM's ``pretrain_gpt.py`` imports: about 10 CPU-seconds per rank on the CI machines,
     then most of a second of shutdown at exit); a forked one serves at once, already holding
-    the modules of what it will carry (DCP's ``WriteResult``, imported here before the fork, so the child
-    never imports). Megatron forks its file writers from the rank in the same way, and
+    the modules of what it will carry (DCP's ``WriteResult``, imported here before the fork,
+    so the child never imports). Megatron forks its file writers from the rank in the same way, and
     megatron-core 0.19 offers the fork mode for this queue itself (``mp_mode``). Like every
     process a rank forks, the manager dies with the thread that started it
     (:func:`~megatron_diffckpt.background.children_die_with_this_process`): the warm-up thread,
