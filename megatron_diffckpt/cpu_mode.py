@@ -167,6 +167,40 @@ def _cpu_seed(original: Callable) -> Callable:
     return manual_seed
 
 
+_compile_off: list[bool] = []  # non-empty while enable_training() has torch.compile switched off
+
+
+def _deferred_compile(original: Callable) -> Callable:
+    """``torch.compile`` that imports and runs the compiler at a function's first call, not when it
+    wraps the function.
+
+    megatron's ``jit_fuser`` is ``torch.compile``, and ``megatron/core/fusions/*.py`` wrap their
+    elementwise functions with it at import time: that alone imports ``torch._dynamo`` and
+    ``torch._inductor``, 2.4 s of every process's start-up on this machine, although the CPU runs
+    rarely call those functions. ``torch.compile`` compiles at the first call anyway, so deferring
+    the wrapping changes nothing else. While :func:`enable_training` has compilation off, the first
+    call runs the function as written, as ``torch._dynamo.config.disable`` would.
+    """
+
+    @functools.wraps(original)
+    def compile_(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: compile_(fn, **kwargs)
+        if isinstance(model, torch.nn.Module):
+            return model if _compile_off else original(model, **kwargs)
+        compiled: list[Callable] = []
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kw):
+            if not compiled:
+                compiled.append(model if _compile_off else original(model, **kwargs))
+            return compiled[0](*args, **kw)
+
+        return first_call_compiles
+
+    return compile_
+
+
 # Patches on torch itself. They must be in place before megatron is imported.
 _TORCH_FACTORIES = (
     "rand",  # Megatron-LM's initialize.py (_warmup_jit_function)
@@ -191,6 +225,13 @@ _TORCH_PATCHES: tuple[_Patch, ...] = (
             "state_dict_saver.py, exchange_utils.py; torch.empty captured by mapping.py",
         )
         for f in _TORCH_FACTORIES
+    ),
+    _Patch(
+        torch,
+        "compile",
+        _deferred_compile,
+        "jit.py jit_fuser, applied at import by fusions/fused_bias_gelu.py, fused_bias_geglu.py, "
+        "fused_bias_swiglu.py and the other fused elementwise functions",
     ),
     _Patch(
         torch.cuda,
@@ -324,17 +365,15 @@ def enable_training() -> None:
     """CPU mode for Megatron-LM's ``megatron.training`` as well: after :func:`enable`, before
     ``pretrain()``. Also switches ``torch.compile`` off: Megatron-LM's fused elementwise
     functions would each be compiled to C++ on CPU (tens of seconds per process, for nothing on a
-    test machine). Idempotent; :func:`disable` reverts it."""
+    test machine); they run as written. Idempotent; :func:`disable` reverts it."""
     if not is_enabled():
         raise CpuModeError("cpu_mode.enable_training() needs cpu_mode.enable() first")
     if _training_applied:
         return
-    import torch._dynamo
-
     patches = _training_patches()
     patches.apply()
-    _training_applied.append((patches, torch._dynamo.config.disable))
-    torch._dynamo.config.disable = True
+    _training_applied.append(patches)
+    _compile_off.append(True)
 
 
 class _ForkWarningFilter(logging.Filter):
@@ -401,11 +440,8 @@ def disable() -> None:
     Megatron objects created while CPU mode was on keep their CPU tensors.
     """
     while _training_applied:
-        patches, dynamo_disabled = _training_applied.pop()
-        patches.revert()
-        import torch._dynamo
-
-        torch._dynamo.config.disable = dynamo_disabled
+        _training_applied.pop().revert()
+    _compile_off.clear()
     while _megatron_applied:
         _megatron_applied.pop().revert()
     while _applied:

@@ -123,3 +123,57 @@ def test_refuses_on_a_machine_with_cuda():
     )
     assert proc.returncode == 0, proc.stderr
     assert "refused: CPU mode refuses to act on a machine with CUDA" in proc.stdout
+
+
+def test_torch_compile_waits_for_the_first_call_and_computes_the_same():
+    out = _ok(
+        """
+        import sys
+        import torch
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        import megatron.core.models.gpt  # its fused functions are wrapped at import
+        assert "torch._dynamo" not in sys.modules, "wrapping imported the compiler"
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu
+        assert bias_gelu.__wrapped__.__code__.co_name == "bias_gelu"
+        traced = []
+
+        @torch.compile(backend="eager")
+        def scaled(x):
+            traced.append(torch.compiler.is_compiling())
+            return x * 2
+
+        x = torch.arange(3.0)
+        assert torch.equal(scaled(x), x * 2) and torch.equal(scaled(x), x * 2)
+        assert "torch._dynamo" in sys.modules and traced == [True, True], traced  # compiled
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
+
+
+def test_with_compilation_off_a_compiled_function_runs_as_written():
+    out = _ok(
+        """
+        import sys
+        import torch
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        cpu_mode._compile_off.append(True)  # what enable_training() switches on
+        calls = []
+
+        @torch.compile(fullgraph=True)
+        def scaled(x):
+            calls.append(torch.compiler.is_compiling())
+            return x * 2
+
+        x = torch.arange(3.0)
+        assert torch.equal(scaled(x), x * 2) and torch.equal(scaled(x), x * 2)
+        assert calls == [False, False], calls  # Python ran each call: nothing was traced
+        assert "torch._dynamo" not in sys.modules
+        cpu_mode.disable()
+        assert not cpu_mode._compile_off and torch.compile.__module__ == "torch"
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
