@@ -1,8 +1,11 @@
-"""Random faults until the job is done: 20 SIGKILLs a run, and the end equals an uninterrupted one.
+"""Faults until the job is done: 20 SIGKILLs a run, and the end equals an uninterrupted one.
 
 A GPT job (2 processes, DP 2, bases every F = 5, B = 1, dense exchange) is started with the same
 command again and again (``--load SAVE`` every time, as a requeued job is), and every attempt but
-the last dies by SIGKILL at a point drawn at random:
+the last dies by SIGKILL. The first six faults are the first iterations' (no work lost from the
+first iteration on): while base 0 is written as the job starts from scratch, then after iteration
+1, 2, F-1, F and F+1 (or the iteration after the one the job had reached, where that is later),
+each killing one rank or all, drawn. The other faults come at points drawn at random:
 
 - ``iteration-one`` / ``iteration-all``: after iteration k is logged, one rank (the test kills
   the process whose ``RANK`` it is) or all ranks;
@@ -59,6 +62,7 @@ B = 1
 MAX_PENDING = 2
 MODES = {"lowdiff": B, "lowdiff-plus": B + MAX_PENDING}  # iterations one fault may lose
 COMMON = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "200"]
+EARLY = ("first-base", 1, 2, F - 1, F, F + 1)  # the first faults' points, in this order
 KINDS = ("iteration-one", "iteration-all", "base-one", "base-all", "segment-write", "replay")
 FALLBACK_AFTER = 8  # iterations past the attempt's start after which an unmet point is dropped
 
@@ -147,6 +151,15 @@ def _draw(rng: random.Random, kind: str, at: int, ckpt: Path) -> Plan:
     return Plan(kind, rank, nth=nth, env={failpoints.ENV: f"replay:{nth}@{rank}"})
 
 
+def _early(rng: random.Random, point: str | int, at: int) -> Plan:
+    """One of the first faults: base 0 while it is written, or after iteration ``point``."""
+    rank = rng.choice((0, 1, None))
+    one = "one" if rank is not None else "all"
+    if point == "first-base":
+        return Plan(f"base-{one}", rank, base=0)
+    return Plan(f"iteration-{one}", rank, iteration=max(point, at + 1))
+
+
 def _kill(attempt: Attempt, rank: int | None) -> None:
     """SIGKILL one rank (torchrun then stops the other) or every process of the attempt."""
     if rank is not None:
@@ -199,7 +212,9 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
     job = [*COMMON, "--train-iters", str(TOTAL), "--save", str(ckpt), "--load", str(ckpt),
            "--save-interval", str(F), "--diffckpt-mode", mode, "--diffckpt-batch-size", str(B),
            "--diffckpt-max-pending", str(MAX_PENDING), "--dump-state", str(dumps)]  # fmt: skip
-    # Every kind once, in a random order, then random draws; a replay only where there is one.
+    # The first iterations' points; every kind once, in a random order; then random draws (a replay
+    # only where there is one).
+    early = list(EARLY)
     order = list(KINDS)
     rng.shuffle(order)
     faults: list[tuple[str, str, int]] = []  # (how, who was killed, iteration the job reached)
@@ -218,10 +233,15 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
 
     try:
         while True:
-            kind = order.pop() if order else rng.choice(KINDS)
-            if kind == "replay" and at - max(_tracker(ckpt), 0) < 3:
-                kind = "iteration-one"
-            plan = _draw(rng, kind, at, ckpt) if len(faults) < FAULTS else Plan("none")
+            if len(faults) >= FAULTS:
+                plan = Plan("none")
+            elif early:
+                plan = _early(rng, early.pop(0), at)
+            else:
+                kind = order.pop() if order else rng.choice(KINDS)
+                if kind == "replay" and at - max(_tracker(ckpt), 0) < 3:
+                    kind = "iteration-one"
+                plan = _draw(rng, kind, at, ckpt)
             since = time.time()
             attempt = _start(job, plan.env)
             if plan.kind == "none":
@@ -249,6 +269,9 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
 
     lost = [row[-1] for row in rows]
     assert len(rows) >= FAULTS
+    assert rows[0][1].startswith("base") and rows[0][3] == 0, table()  # base 0 was being written
+    early = zip(rows[1 : len(EARLY)], EARLY[1:], strict=True)
+    assert all(row[3] >= point for row, point in early), table()  # each reached its point
     assert max(lost) <= MODES[mode], table()
     kinds = {row[1] for row in rows}
     assert {"segment-write", "replay"} <= kinds and kinds & {"base-one", "base-all"}, kinds
