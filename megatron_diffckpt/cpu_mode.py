@@ -13,8 +13,12 @@ Rules:
   if megatron is already imported, and refuses to act when CUDA is available: the shim must never
   be active on a GPU machine.
 - It is idempotent, and :func:`disable` restores every patched attribute.
-- Processes that megatron forks (the async-save worker) inherit the patches. A process started
-  with the ``spawn`` method must call :func:`enable` itself before importing megatron.
+- Processes that megatron forks (the async-save worker) inherit the patches. Helpers that
+  ``multiprocessing`` starts by spawn or forkserver (megatron-core 0.19's persistent async-save
+  worker) re-import the entry script first: an entry script that calls
+  :func:`enable_if_inherited` at import applies CPU mode there too (the environment says that
+  the process that started them was in CPU mode). Any other process must call :func:`enable`
+  itself before importing megatron.
 
 What "cuda" means in CPU mode: the CPU. Tensors requested on ``cuda`` are created on the CPU;
 the "CUDA RNG state" that megatron's tracker forks for tensor-parallel regions is the CPU default
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +46,15 @@ from megatron_diffckpt.errors import DiffCkptUsageError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpuModeError", "enable", "enable_training", "disable", "is_enabled", "check_drift"]
+__all__ = [
+    "CpuModeError",
+    "enable",
+    "enable_if_inherited",
+    "enable_training",
+    "disable",
+    "is_enabled",
+    "check_drift",
+]
 
 
 class CpuModeError(DiffCkptUsageError, RuntimeError):
@@ -332,10 +345,17 @@ def _training_patches():
         (
             MethodPatch(
                 target="megatron.training.training:initialize_megatron",
-                expected_signature="(extra_args_provider=None, args_defaults={}, "
-                "ignore_unknown_args=False, allow_no_cuda=False, skip_mpu_initialization=False, "
-                "get_embedding_ranks=None, get_position_embedding_ranks=None, parsed_args=None, "
-                "store=None)",
+                expected_signature={
+                    "0.16.1": "(extra_args_provider=None, args_defaults={}, "
+                    "ignore_unknown_args=False, allow_no_cuda=False, "
+                    "skip_mpu_initialization=False, get_embedding_ranks=None, "
+                    "get_position_embedding_ranks=None, parsed_args=None, store=None)",
+                    "0.19.0": "(allow_no_cuda=False, skip_mpu_initialization=False, "
+                    "get_embedding_ranks=None, get_position_embedding_ranks=None, store=None, "
+                    "skip_model_parallel_init=False, seed_pp_group=None, seed_dp_group=None, "
+                    "seed_tp_group=None, seed_ep_group=None, seed_etp_group=None, "
+                    "skip_random_seed=False)",
+                },
                 make_wrapper=_allow_no_cuda,
                 purpose="let pretrain() initialize without CUDA (CPU mode)",
             ),
@@ -353,6 +373,7 @@ def _training_patches():
                 expected_signature="(args)",
                 make_wrapper=lambda original: lambda args: None,
                 purpose="skip building the CUDA fused kernels (CPU mode)",
+                until="0.19.0",  # Megatron-LM no longer builds them at start-up
             ),
         )
     )
@@ -388,6 +409,7 @@ class _ForkWarningFilter(logging.Filter):
 
 
 _applied: list[tuple[Any, str, Any]] = []  # torch patches: (owner, name, original), in order
+_INHERITED = "DIFFCKPT_CPU_MODE"  # "1" while CPU mode is on: what helper processes inherit
 _megatron_applied: list = []  # the PatchSet applied on megatron modules, while enabled
 _filter = _ForkWarningFilter()
 
@@ -430,8 +452,17 @@ def enable() -> None:
         disable()
         raise
     _megatron_applied.append(megatron_patches)
+    os.environ[_INHERITED] = "1"
     logging.getLogger(_MCORE_RANDOM).addFilter(_filter)
     logger.debug("CPU mode enabled: %d patches", len(_applied))
+
+
+def enable_if_inherited() -> None:
+    """For entry scripts, at import: in a helper that ``multiprocessing`` started by spawn or
+    forkserver from a process in CPU mode (such a helper imports the entry script before its
+    target), CPU mode here too, before the target imports megatron. A no-op anywhere else."""
+    if os.environ.get(_INHERITED) == "1":
+        enable()
 
 
 def disable() -> None:
@@ -447,6 +478,7 @@ def disable() -> None:
     while _applied:
         owner, name, original = _applied.pop()
         setattr(owner, name, original)
+    os.environ.pop(_INHERITED, None)
     logging.getLogger(_MCORE_RANDOM).removeFilter(_filter)
 
 

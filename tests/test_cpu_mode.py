@@ -177,3 +177,21 @@ def test_with_compilation_off_a_compiled_function_runs_as_written():
         """
     )
     assert out.strip() == "ok"
+
+
+def test_a_helper_started_from_a_process_in_cpu_mode_applies_it_at_import():
+    out = _ok(
+        """
+        import os, subprocess, sys
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        helper = "from megatron_diffckpt import cpu_mode; cpu_mode.enable_if_inherited(); " \\
+            "print(cpu_mode.is_enabled())"
+        inherited = subprocess.run([sys.executable, "-c", helper], capture_output=True, text=True)
+        cpu_mode.disable()
+        assert "DIFFCKPT_CPU_MODE" not in os.environ
+        plain = subprocess.run([sys.executable, "-c", helper], capture_output=True, text=True)
+        print(inherited.stdout.strip(), plain.stdout.strip())
+        """
+    )
+    assert out.split() == ["True", "False"]

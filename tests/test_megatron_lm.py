@@ -40,6 +40,8 @@ import pytest
 import torch
 from launch import REPO, _env, run_cli, run_gpt, run_until_killed, tracker_at
 
+from megatron_diffckpt.patches.base import installed_megatron_core_version, release_order
+
 MEGATRON_LM = os.environ.get("MEGATRON_LM", "")
 SCRIPT = REPO / "examples" / "gpt" / "pretrain_gpt_diffckpt.py"
 _NEEDED = ("six", "regex", "yaml", "pydantic", "triton")
@@ -60,8 +62,14 @@ GPT = (
     "--vocab-size 256 --log-interval 1 --eval-iters 0 --eval-interval 1000 --seed 1234 "
     "--use-distributed-optimizer"
 ).split()
+# Megatron-LM saves asynchronously only with its persistent worker (without it, it warns and saves
+# synchronously); from 0.19 on its async save goes through NVIDIA's resiliency extension unless
+# megatron-core's own strategy is named (the extension is not installed here).
+ASYNC_SAVE = "--async-save --use-persistent-ckpt-worker" + (
+    " --async-strategy mcore" if release_order(installed_megatron_core_version()) >= (0, 19) else ""
+)
 LAYOUTS = {  # flags, the two ranks' diff-log folders
-    "dp2-async-save": ("--overlap-grad-reduce --async-save", ("rank_0_0_0", "rank_0_0_1")),
+    "dp2-async-save": (f"--overlap-grad-reduce {ASYNC_SAVE}", ("rank_0_0_0", "rank_0_0_1")),
     "tp2-bf16": ("--tensor-model-parallel-size 2 --bf16", ("rank_0_0_0", "rank_1_0_0")),
     "pp2": ("--pipeline-model-parallel-size 2", ("rank_0_0_0", "rank_0_1_0")),
 }
@@ -259,6 +267,7 @@ def test_lowdiff_sigkill_then_recovery_then_merge_equal_uninterrupted_training(
     # Restart with --load: Megatron-LM loads base 5, the hooks replay up to the newest
     # iteration both ranks hold, and training goes on to TOTAL.
     start, losses, log = _recover([*gpt, *diff], ckpt, "5")
+    assert ("scheduled an async checkpoint save" in log) == ("--async-save" in gpt)
     # Observability: Megatron-LM's timer for the differential, and the manager's metrics.
     assert "diffckpt-diff" in log
     assert re.search(r"diffckpt at iteration 12 \| recoverable lag: \d+ \| diff bytes per", log)
@@ -470,7 +479,7 @@ def test_a_full_save_skips_its_bases_or_stops_in_one_line(tmp_path, tmpfs, when_
     2; either way no partial base, and with space the same command trains and ``verify``
     passes."""
     save = tmpfs("save", "1m")
-    flags = ["--overlap-grad-reduce", "--async-save"] if when_full == "skip" else []
+    flags = ["--overlap-grad-reduce", *ASYNC_SAVE.split()] if when_full == "skip" else []
     args = [*GPT, *flags, "--save", str(save), "--load", str(save), "--save-interval", "4",
             "--diffckpt-mode", "lowdiff", "--diffckpt-when-full", when_full,
             "--train-iters", "6"]  # fmt: skip

@@ -33,9 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from arguments import parse_args  # noqa: E402
 
+from megatron_diffckpt import cpu_mode  # noqa: E402
 from megatron_diffckpt.background import die_with_parent_if_spawned  # noqa: E402
 
 die_with_parent_if_spawned()  # a helper megatron's checkpoint writer spawned: dies with its rank
+cpu_mode.enable_if_inherited()  # a helper that megatron started by spawn or forkserver
 
 logger = logging.getLogger("pretrain_gpt")
 
@@ -59,8 +61,6 @@ def initialize(args) -> None:
     """Process groups, CPU mode when needed, model-parallel groups, seeds. All ranks."""
     cpu = _use_cpu(args)
     if cpu:
-        from megatron_diffckpt import cpu_mode
-
         cpu_mode.enable()
     if not torch.distributed.is_initialized():
         if cpu:

@@ -23,6 +23,7 @@ given.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -32,9 +33,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
+from megatron_diffckpt import cpu_mode  # noqa: E402
 from megatron_diffckpt.background import die_with_parent_if_spawned  # noqa: E402
 
 die_with_parent_if_spawned()  # a helper megatron's checkpoint writer spawned: dies with its rank
+cpu_mode.enable_if_inherited()  # a helper that megatron started by spawn or forkserver
 
 # Flags CPU processes need, with the values they need (Megatron-LM defaults to NCCL, fused CUDA
 # kernels and TransformerEngine).
@@ -78,8 +81,6 @@ def main() -> None:
 
     cpu = not torch.cuda.is_available()
     if cpu:
-        from megatron_diffckpt import cpu_mode
-
         cpu_mode.enable()  # before megatron is imported
         for flag, values in CPU_FLAGS.items():
             if flag not in sys.argv:
@@ -125,14 +126,32 @@ def main() -> None:
         def extra(parser):
             return megatron_lm.add_arguments(mlm.add_modelopt_args(parser))
 
-    try:
-        run(
+    defaults = {"tokenizer_type": "GPT2BPETokenizer"}
+    if hasattr(mlm, "pretrain_cfg_container_from_args"):
+        # Megatron-LM 0.19: pretrain_gpt.py parses the arguments itself and hands pretrain() a
+        # configuration built from them (and no model provider).
+        args = mlm.parse_and_validate_args(extra_args_provider=extra, args_defaults=defaults)
+        model_cfg = {}
+        if mlm.has_nvidia_modelopt:
+            mlm.maybe_enable_modelopt(args)
+            if getattr(args, "modelopt_enabled", False):
+                model_cfg = {"model_config_cls": mlm.ModelOptModelConfig}
+        config = mlm.pretrain_cfg_container_from_args(
+            args, mlm.gpt_config_from_args(args, **model_cfg)
+        )
+        launch = functools.partial(run, config, mlm.train_valid_test_datasets_provider)
+    else:
+        launch = functools.partial(
+            run,
             mlm.train_valid_test_datasets_provider,
             mlm.partial(mlm.model_provider, mlm.gpt_builder),
-            ModelType.encoder_or_decoder,
-            mlm.forward_step,
-            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+            args_defaults=defaults,
             extra_args_provider=extra,
+        )
+    try:
+        launch(
+            model_type=ModelType.encoder_or_decoder,
+            forward_step_func=mlm.forward_step,
             store=store,
             get_embedding_ranks=mlm.get_embedding_ranks,
         )

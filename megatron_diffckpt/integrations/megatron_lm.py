@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 # Megatron-LM versions (git tags of its repository) these hooks were checked against, and the
 # commit of each tag (the Dockerfile fetches Megatron-LM by commit).
-TESTED_MEGATRON_LM_VERSIONS = ("core_v0.16.1",)
+TESTED_MEGATRON_LM_VERSIONS = ("core_v0.16.1", "core_v0.19.0")
 MEGATRON_LM_COMMITS = {
     "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
     "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
@@ -83,15 +83,51 @@ MEGATRON_LM_COMMITS = {
 
 _T = "megatron.training.training"
 _C = "megatron.training.checkpointing"
-_SAVE_SIGNATURE = (
+_GROUP = "Optional[torch.distributed.distributed_c10d.ProcessGroup] = None"
+_PG_COLLECTION = (
+    "megatron.core.process_groups_config.ProcessGroupCollection, "
+    "megatron.core.process_groups_config.MultiModuleProcessGroupCollection"
+)
+_SAVE_016 = (
     "(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, "
     "checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None, "
     "pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False, "
     "train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False, "
-    "tp_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None, "
-    "pp_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None, "
-    "dp_cp_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None)"
+    f"tp_group: {_GROUP}, pp_group: {_GROUP}, dp_cp_group: {_GROUP}"
 )
+# Megatron-LM's signatures per megatron-core release (the hooks bind arguments by name).
+_SIGNATURES = {
+    "setup_model_and_optimizer": {
+        "0.16.1": "(model_provider_func, model_type, checkpointing_context=None)",
+        "0.19.0": "(model_type, model_provider_func=None, checkpointing_context=None, *, "
+        "cfg_container: megatron.training.config.container.PretrainConfigContainer | None = "
+        f"None, pg_collection: {_PG_COLLECTION.replace(', ', ' | ')} | None = None)",
+    },
+    "num_flops": {  # num_floating_point_operations
+        "0.16.1": "(args, batch_size)",
+        "0.19.0": "(args, batch_size, seqlen_squared_sum_in_batch=None, "
+        "total_real_tokens_in_batch=None)",
+    },
+    "train_step": {
+        "0.16.1": "(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, "
+        "config, forward_backward_func, iteration=None)",
+        "0.19.0": "(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, "
+        f"config, forward_backward_func, iteration=None, pg_collection: Union[{_PG_COLLECTION}"
+        ", NoneType] = None, p2p_communicator: Optional[megatron.core.pipeline_parallel."
+        "p2p_communication.P2PCommunicator] = None)",
+    },
+    "save_checkpoint": {
+        "0.16.1": _SAVE_016 + ")",
+        "0.19.0": _SAVE_016
+        + f", dp_group: {_GROUP}, expt_dp_group: {_GROUP}, rng_state_key_prefix: str = '')",
+    },
+    "schedule_async_save": {
+        "0.16.1": "(async_request: megatron.core.dist_checkpointing.strategies.async_utils."
+        "AsyncRequest)",
+        "0.19.0": "(async_request: megatron.core.dist_checkpointing.strategies.async_utils."
+        "AsyncRequest | typing.Any)",
+    },
+}
 
 
 class MegatronLMIntegrationError(DiffCkptUsageError):
@@ -242,12 +278,12 @@ class _Run:
         """The rank's shard map (``megatron-diffckpt merge``), once the optimizer has state:
         after a load, or after the first step. All ranks."""
         from megatron.core import parallel_state as mpu
+        from megatron.core.utils import unwrap_model
         from megatron.training import get_args
         from megatron.training.checkpointing import (
             _build_sharded_state_dict_metadata,
             generate_state_dict,
         )
-        from megatron.training.utils import unwrap_model
 
         args = get_args()
 
@@ -304,7 +340,7 @@ class _Run:
                 if not args.async_save:  # rank 0 moved the tracker before the save's barrier
                     manager.on_base_published(iteration)
                 return None
-            from megatron.training.utils import unwrap_model
+            from megatron.core.utils import unwrap_model
 
             replica = bound.arguments.copy()
             replica["optimizer"] = source.optimizer
@@ -487,9 +523,13 @@ def _finalize_async_save_wrapper(original: Callable) -> Callable:
                 nonlocal out
                 out = original(*args, **kwargs)
 
+            def unfinalized() -> int:  # Megatron-LM 0.19 makes its queue at the first async save
+                queue = async_utils._async_calls_queue
+                return 0 if queue is None else queue.get_num_unfinalized_calls()
+
             base_checkpoint.finalize_async_bases(
                 finalize,
-                lambda: async_utils._async_calls_queue.get_num_unfinalized_calls(),
+                unfinalized,
                 RUN.scheduled,
                 RUN.manager.base_failed,
             )
@@ -520,19 +560,18 @@ PATCHES = PatchSet(
     (
         MethodPatch(
             target=f"{_T}:setup_model_and_optimizer",
-            expected_signature="(model_provider_func, model_type, checkpointing_context=None)",
+            expected_signature=_SIGNATURES["setup_model_and_optimizer"],
             make_wrapper=_setup_wrapper,
             purpose="recover from base + differentials and start capturing after --load",
-            requires=((f"{_T}:num_floating_point_operations", "(args, batch_size)"),),
+            requires=((f"{_T}:num_floating_point_operations", _SIGNATURES["num_flops"]),),
         ),
         MethodPatch(
             target=f"{_T}:train_step",
-            expected_signature="(forward_step_func, data_iterator, model, optimizer, "
-            "opt_param_scheduler, config, forward_backward_func, iteration=None)",
+            expected_signature=_SIGNATURES["train_step"],
             make_wrapper=_train_step_wrapper,
             purpose="hand each iteration's differential to the diff log",
             requires=(
-                ("megatron.training.utils:unwrap_model", "(model, module_instances=None)"),
+                ("megatron.core.utils:unwrap_model", "(model, module_instances=None)"),
                 (
                     f"{_C}:_build_sharded_state_dict_metadata",
                     "(args: argparse.Namespace, dp_cp_group: Optional[torch.distributed."
@@ -542,7 +581,7 @@ PATCHES = PatchSet(
         ),
         MethodPatch(
             target=f"{_T}:save_checkpoint",
-            expected_signature=_SAVE_SIGNATURE,
+            expected_signature=_SIGNATURES["save_checkpoint"],
             make_wrapper=_save_wrapper,
             purpose="save bases through the manager (LowDiff+: from the replica)",
         ),
@@ -555,8 +594,7 @@ PATCHES = PatchSet(
         ),
         MethodPatch(
             target=f"{_C}:schedule_async_save",
-            expected_signature="(async_request: megatron.core.dist_checkpointing.strategies."
-            "async_utils.AsyncRequest)",
+            expected_signature=_SIGNATURES["schedule_async_save"],
             make_wrapper=_schedule_async_save_wrapper,
             purpose="learn when an asynchronous base is published; write LowDiff+ bases",
         ),

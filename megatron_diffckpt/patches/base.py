@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from megatron_diffckpt.errors import DiffCkptUsageError
 
 # The megatron-core releases the patches were written and tested against. Keep in step with the
 # pin in requirements/cpu.txt (tests/test_drift.py checks both).
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.0")
 
 
 class MegatronDriftError(DiffCkptUsageError, RuntimeError):
@@ -31,6 +32,11 @@ def installed_megatron_core_version() -> str:
         return version("megatron-core")
     except PackageNotFoundError:
         return "not installed"
+
+
+def release_order(version: str) -> tuple[int, ...]:
+    """``"0.19.0"`` (or ``"0.19.0rc1"``) as ``(0, 19, 0)``, for ordering releases."""
+    return tuple(int(n) for n in re.findall(r"\d+", version)[:3])
 
 
 def signature_of(fn: Callable) -> str:
@@ -66,6 +72,9 @@ class MethodPatch:
         purpose: one line for error messages and the README.
         requires: other megatron-core functions the replacement calls, as
             ``(target, expected_signature)`` pairs; they are drift-checked too.
+        until: the first tested release where what the patch serves is gone, with its target
+            (``None``: every release has it). From that release on the patch is neither checked
+            nor applied.
     """
 
     target: str
@@ -73,6 +82,7 @@ class MethodPatch:
     make_wrapper: Callable[[Callable], Callable]
     purpose: str
     requires: tuple[tuple[str, str | Mapping[str, str]], ...] = ()
+    until: str | None = None
     _original: Any = field(default=None, init=False, repr=False)
 
     @staticmethod
@@ -95,8 +105,18 @@ class MethodPatch:
             )
         return inspect.getattr_static(owner, name)
 
+    @property
+    def needed(self) -> bool:
+        """Whether the installed release has what this patch serves (see ``until``)."""
+        if self.until is None:
+            return True
+        installed = installed_megatron_core_version()
+        return installed == "not installed" or release_order(installed) < release_order(self.until)
+
     def check_drift(self) -> None:
         """Raise :class:`MegatronDriftError` if a signature this patch relies on has changed."""
+        if not self.needed:
+            return
         fn = self._original if self._original is not None else self.current()
         found = signature_of(fn)
         if found not in _known(self.expected_signature).values():
@@ -128,8 +148,8 @@ class MethodPatch:
         return self._original is not None
 
     def apply(self) -> None:
-        """Wrap the target. Any rank; idempotent."""
-        if self.applied:
+        """Wrap the target (where the installed release needs it). Any rank; idempotent."""
+        if self.applied or not self.needed:
             return
         self.check_drift()
         owner, name = self._resolve()
