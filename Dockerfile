@@ -11,6 +11,8 @@
 # project's one place for package pins) for the packages the image does not provide
 # (tests/test_pins.py checks that they agree). This file is linted by the test suite (hadolint);
 # it has not been built on the CI machines, which have no container engine.
+# The image's Python (3.12) and torch meet megatron-core 0.19's requirements as well; this file
+# installs the CPU lane's 0.16.1 (README, "The stack").
 ARG NGC_PYTORCH_TAG=25.09-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_PYTORCH_TAG}
 

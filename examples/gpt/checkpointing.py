@@ -12,6 +12,7 @@ Collective rule: every method of :class:`Checkpointer` is called by all ranks to
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -42,6 +43,13 @@ logger = logging.getLogger("pretrain_gpt")
 
 # The distributed optimizer's format: fully parallel save and load, reshardable along DP.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# From megatron-core 0.19 on, an asynchronous save goes through NVIDIA's resiliency extension
+# unless megatron-core's own strategy is named: the queue and finalize steps here are its own.
+MCORE_ASYNC = (
+    {"async_strategy": "mcore"}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    else {}
+)
 
 
 def _rng_state() -> dict:
@@ -203,6 +211,7 @@ class Checkpointer:
             self._make_dir(iteration),
             async_sharded_save=in_background,
             content_metadata=OPTIMIZER_METADATA,
+            **MCORE_ASYNC,
         )
 
         def publish():
