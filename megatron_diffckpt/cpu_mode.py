@@ -25,8 +25,8 @@ the "CUDA RNG state" that megatron's tracker forks for tensor-parallel regions i
 generator's state (dropout on CPU draws from that generator, so forking it has the same meaning as
 on a GPU). ``torch.cuda.is_available()`` still returns ``False``.
 
-Every patch below names the megatron-core call sites it serves (as of 0.16; 0.19 keeps them);
-``tests/test_drift.py`` keeps those call sites honest on both tested releases.
+Every patch below names the megatron-core 0.16 call sites it was written for;
+``tests/test_drift.py`` checks the megatron functions it replaces on each tested release.
 """
 
 from __future__ import annotations
