@@ -98,7 +98,8 @@ def read_entries(
 def write_entries(path: str, entries: dict[str, torch.Tensor | bytes]) -> None:
     """Write ``entries`` (global tensors; bytes entries as raw bytes) as the DCP part of a
     checkpoint in the new folder ``path`` (its ``.metadata`` last, as DCP does). One process.
-    The caller adds megatron's ``common.pt`` and ``metadata.json``."""
+    The caller adds ``metadata.json``, and megatron's ``common.pt`` where the common state is not
+    one of ``entries`` (:func:`store_common`)."""
     os.makedirs(path, exist_ok=False)
     state = {
         k: io.BytesIO(v) if isinstance(v, (bytes, bytearray)) else v for k, v in entries.items()
@@ -110,6 +111,31 @@ def write_entries(path: str, entries: dict[str, torch.Tensor | bytes]) -> None:
             storage_writer=FileSystemWriter(path, single_file_per_rank=True),
             planner=_RawBytesSavePlanner(),
         )
+
+
+# megatron-core 0.19 keeps a checkpoint's common (non-sharded) state inside its DCP part, as this
+# ShardedObject entry; 0.16 writes it to common.pt beside it. Its loader reads either.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+COMMON_FILE = "common.pt"
+
+
+def load_common(path: str, entries: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's common state of checkpoint ``path``: its ``common.pt``, or the
+    ``common_state`` entry of ``entries`` (``read_entries(path)``). This unpickles."""
+    legacy = os.path.join(path, COMMON_FILE)
+    if os.path.exists(legacy) or COMMON_STATE_KEY not in entries:
+        return torch.load(legacy, map_location="cpu", weights_only=False)
+    raw = entries[COMMON_STATE_KEY]
+    return load_object(raw) if isinstance(raw, (bytes, bytearray)) else raw
+
+
+def store_common(common: dict[str, Any], entries: dict[str, Any]) -> bool:
+    """Put ``common`` where a checkpoint read into ``entries`` kept it: into its ``common_state``
+    entry (True), or, when it had none, nowhere (False: the caller writes ``common.pt``)."""
+    if COMMON_STATE_KEY not in entries:
+        return False
+    entries[COMMON_STATE_KEY] = dump_object(common)
+    return True
 
 
 def load_object(raw: bytes) -> Any:

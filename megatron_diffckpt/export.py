@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.checkpoint_layout import checkpoint_dir, list_checkpoints
-from megatron_diffckpt.dist_ckpt_io import entry_bytes, load_object, read_entries, read_metadata
+from megatron_diffckpt.dist_ckpt_io import (
+    COMMON_STATE_KEY,
+    entry_bytes,
+    load_common,
+    load_object,
+    read_entries,
+    read_metadata,
+)
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.progress import Progress
@@ -56,7 +63,8 @@ def export_base(root: str, iteration: int, out: str, progress: bool = True) -> d
         key: load_object(value) if isinstance(value, bytes) else value
         for key, value in read_entries(path, on_group=bar.update, metadata=metadata).items()
     }
-    common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
+    common = load_common(path, tensors)
+    tensors.pop(COMMON_STATE_KEY, None)  # megatron-core 0.19 keeps it among the entries
     payload = {
         "format": EXPORT_FORMAT,
         "iteration": iteration,

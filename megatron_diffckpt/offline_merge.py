@@ -47,11 +47,14 @@ from megatron_diffckpt.checkpoint_layout import (
     publish_iteration,
 )
 from megatron_diffckpt.dist_ckpt_io import (
+    COMMON_FILE,
     dump_object,
     entry_bytes,
+    load_common,
     load_object,
     read_entries,
     read_metadata,
+    store_common,
     write_entries,
 )
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
@@ -356,7 +359,7 @@ def merge_base(
     if chains[0].records:
         _rng_entries(entries, chains, problems)
 
-    common = torch.load(os.path.join(src, "common.pt"), map_location="cpu", weights_only=False)
+    common = load_common(src, entries)
     if chains[0].records:
         last = chains[0].records[-1]
         common["iteration"] = target
@@ -379,8 +382,10 @@ def merge_base(
     if os.path.exists(staging):
         shutil.rmtree(staging)  # an interrupted merge's leftovers: never published
     bar = Progress(f"write iter_{target:07d}", 1, "checkpoints", stream=stream)
+    in_entries = store_common(common, entries)
     write_entries(staging, entries)  # DCP fsyncs its files; .metadata last
-    publish_file(os.path.join(staging, "common.pt"), lambda f: torch.save(common, f))
+    if not in_entries:
+        publish_file(os.path.join(staging, COMMON_FILE), lambda f: torch.save(common, f))
     with open(os.path.join(src, COMPLETE_MARKER), "rb") as f:
         marker = f.read()
     publish_file(os.path.join(staging, COMPLETE_MARKER), lambda f: f.write(marker))
