@@ -301,6 +301,30 @@ _TORCH_PATCHES: tuple[_Patch, ...] = (
 
 
 _MCORE_RANDOM = "megatron.core.tensor_parallel.random"
+_WRITE_BUCKETS = "List[Tuple[pathlib.Path, str, Tuple[list, list]]]"
+
+
+def _staging_copy(original: Any) -> Any:
+    """``FileSystemWriterAsync.preload_tensors`` that stages copies of shared tensors.
+
+    Its staging step is a device-to-host copy, ``tensor.to("cpu")``, which on a CPU tensor is the
+    tensor itself. megatron's persistent async-save worker receives a save's tensors through a
+    ``multiprocessing`` queue, that is in shared memory with the training process, and stages
+    them while training waits; after that training goes on and changes them under the worker's
+    write. So shared tensors are copied here, as the staging copy does on a GPU; a process forked
+    for the save (the temporal caller) has its own copy-on-write pages and copies nothing.
+    """
+    stage = original.__func__
+
+    @functools.wraps(stage)
+    def preload_tensors(write_buckets, non_blocking=True):
+        staged = []
+        for file_name, storage_key, (bytes_data, tensor_data) in stage(write_buckets, non_blocking):
+            tensors = [(item, t.clone() if t.is_shared() else t) for item, t in tensor_data]
+            staged.append((file_name, storage_key, (bytes_data, tensors)))
+        return staged
+
+    return staticmethod(preload_tensors)
 
 
 def _megatron_patches():
@@ -322,6 +346,14 @@ def _megatron_patches():
                 "graph_safe: bool = False)",
                 make_wrapper=_cpu_rng_set,
                 purpose="set the device RNG state in CudaRNGStatesTracker.add/fork (CPU mode)",
+            ),
+            MethodPatch(
+                target="megatron.core.dist_checkpointing.strategies.filesystem_async:"
+                "FileSystemWriterAsync.preload_tensors",
+                expected_signature=f"(write_buckets: {_WRITE_BUCKETS}, non_blocking=True) -> "
+                f"{_WRITE_BUCKETS}",
+                make_wrapper=_staging_copy,
+                purpose="stage a copy of what the persistent async-save worker writes (CPU mode)",
             ),
         )
     )

@@ -195,3 +195,25 @@ def test_a_helper_started_from_a_process_in_cpu_mode_applies_it_at_import():
         """
     )
     assert out.split() == ["True", "False"]
+
+
+def test_async_staging_copies_shared_tensors_and_only_those():
+    out = _ok(
+        """
+        import torch
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+            FileSystemWriterAsync,
+        )
+        own, shared = torch.arange(3.0), torch.arange(3.0).share_memory_()
+        [(_, _, (_, staged))] = FileSystemWriterAsync.preload_tensors(
+            [("f", "k", ([], [("own", own), ("shared", shared)]))]
+        )
+        (_, a), (_, b) = staged
+        shared.add_(1)  # training goes on after staging
+        assert a is own and b is not shared and torch.equal(b, torch.arange(3.0))
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"

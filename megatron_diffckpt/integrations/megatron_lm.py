@@ -166,6 +166,17 @@ class _Run:
         self.captured: Any = None
         self.recovered_rng: Any = None  # RNG states at the recovered iteration, until step 1
         self.base_loaded: int | None = None  # the iteration of the base --load loaded
+        # Megatron-LM 0.19's configuration (pretrain's cfg_container.checkpoint): its end of
+        # training reads the save interval there, its loop from the arguments.
+        self.checkpoint_config: Any = None
+
+    def set_save_interval(self, interval: int) -> None:
+        """Megatron-LM's ``--save-interval`` from now on, wherever its loop reads it."""
+        from megatron.training import get_args
+
+        get_args().save_interval = interval
+        if self.checkpoint_config is not None:
+            self.checkpoint_config.save_interval = interval
 
     def begin(self, model: list[Any], optimizer: Any, scheduler: Any, setup_s: float) -> None:
         """After setup_model_and_optimizer: exchange, manager, recovery, start. All ranks."""
@@ -223,7 +234,7 @@ class _Run:
                 self.recovered_rng = DiffRecord(iteration, *capture_rng(get_cuda_rng_tracker()))
             logger.info("recovered to iteration %d (base %d)", iteration, base)
         if self.config.full_interval:  # Megatron-LM saves at multiples of --save-interval
-            args.save_interval = self.config.full_interval
+            self.set_save_interval(self.config.full_interval)
         self.manager.start(args.iteration, args.save_interval or 0)
         if loaded and args.ckpt_format == "torch_dist":  # the loaded optimizer state: the map now
             self._record_shard_map(args.iteration)
@@ -272,7 +283,7 @@ class _Run:
             self._log(iteration, args.log_interval)
         self._record_shard_map(iteration)
         if self.config.auto_tune:
-            args.save_interval = self.manager.full_interval
+            self.set_save_interval(self.manager.full_interval)
 
     def _record_shard_map(self, iteration: int) -> None:
         """The rank's shard map (``megatron-diffckpt merge``), once the optimizer has state:
@@ -394,6 +405,8 @@ def _setup_wrapper(original: Callable) -> Callable:
             base_checkpoint.check_base_layout(
                 checkpoint, margs.tensor_model_parallel_size, margs.pipeline_model_parallel_size
             )
+        bound = signature.bind(*args, **kwargs).arguments
+        RUN.checkpoint_config = getattr(bound.get("cfg_container"), "checkpoint", None)
         start = time.perf_counter()
         model, optimizer, scheduler = original(*args, **kwargs)
         RUN.begin(model, optimizer, scheduler, time.perf_counter() - start)
@@ -403,7 +416,7 @@ def _setup_wrapper(original: Callable) -> Callable:
 
             why = "the recovered iteration" if RUN.base_loaded is not None else "the start"
             logger.info("saving the base of iteration %d (%s)", now, why)
-            context = signature.bind(*args, **kwargs).arguments.get("checkpointing_context")
+            context = bound.get("checkpointing_context")
             training.save_checkpoint(
                 now,
                 model,

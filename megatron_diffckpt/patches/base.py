@@ -155,7 +155,8 @@ class MethodPatch:
         owner, name = self._resolve()
         original = inspect.getattr_static(owner, name)
         wrapper = self.make_wrapper(original)
-        wrapper.__wrapped__ = original
+        if not isinstance(wrapper, staticmethod):  # a staticmethod's is its function's, read-only
+            wrapper.__wrapped__ = original
         setattr(owner, name, wrapper)
         self._original = original
 
