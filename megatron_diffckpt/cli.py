@@ -230,7 +230,7 @@ def _prune(args: argparse.Namespace) -> int:
     freed = sum(_tree_bytes(p) for p in bases + segments)
     verb = "would remove" if args.dry_run else "removed"
     if not args.dry_run:
-        bar = Progress("prune", len(bases) + len(segments), "paths")
+        bar = Progress("prune", len(bases) + len(segments), "paths", stream=sys.stderr)
         for path in bases:
             shutil.rmtree(path)
             bar.update()

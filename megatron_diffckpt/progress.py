@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import TextIO
 
@@ -13,7 +12,8 @@ class Progress:
     Args:
         label: what is being done.
         total: the number of items; ``total_bytes`` their size when known.
-        stream: where to write (stderr); nothing is written when it is ``None``.
+        stream: where to write (the CLI passes ``sys.stderr``); nothing is written when it is
+            ``None``.
     """
 
     def __init__(
@@ -22,7 +22,8 @@ class Progress:
         total: int,
         unit: str = "items",
         total_bytes: int | None = None,
-        stream: TextIO | None = sys.stderr,
+        *,
+        stream: TextIO | None,
         every_s: float = 0.5,
     ):
         self.label, self.total, self.unit = label, total, unit

@@ -1,7 +1,13 @@
-"""Start the GPT example as real processes (torchrun, gloo) and read back what it wrote."""
+"""Start the GPT example as real processes (gloo) and read back what it wrote.
+
+Jobs start through :mod:`rank_launcher` (torchrun's single-node launch without its agent, which
+imports torch before any rank starts) unless a test asks for ``torchrun=True``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import signal
@@ -34,20 +40,25 @@ def _env() -> dict[str, str]:
     return env
 
 
+LAUNCHERS = ("torch.distributed.run", "rank_launcher.py")  # in a rank's parent's command line
+
+
+def launch_command(nproc: int, script: Path, args, torchrun: bool = False) -> list[str]:
+    """The command line of a job of ``nproc`` ranks of ``script``: under torchrun
+    (``--standalone``) or :mod:`rank_launcher`."""
+    if torchrun:
+        launcher = ["-m", "torch.distributed.run", "--standalone"]
+    else:
+        launcher = [str(Path(__file__).with_name("rank_launcher.py"))]
+    return [sys.executable, *launcher, f"--nproc-per-node={nproc}", str(script), *args]
+
+
 def run_gpt(
-    nproc: int, *args: str, check: bool = True, script: Path = PRETRAIN_GPT
+    nproc: int, *args: str, check: bool = True, script: Path = PRETRAIN_GPT, torchrun: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` (``pretrain_gpt.py``) on ``nproc`` CPU processes; output captured, bounded
-    in time."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *args,
-    ]
+    """Run ``script`` (``pretrain_gpt.py``) on ``nproc`` CPU processes (under torchrun when
+    ``torchrun``); output captured, bounded in time."""
+    cmd = launch_command(nproc, script, args, torchrun)
     proc = subprocess.run(
         cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
@@ -60,14 +71,19 @@ def run_gpt(
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """``megatron-diffckpt ARGS`` in a new process; output captured, bounded in time."""
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_diffckpt.cli", *args],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
+    """``megatron-diffckpt ARGS``, by its ``main`` in this process (a new process would spend
+    seconds importing torch; ``test_cli.py`` runs the command itself): its exit code and what it
+    printed."""
+    from megatron_diffckpt.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(
+        ["megatron-diffckpt", *args], code, out.getvalue(), err.getvalue()
     )
 
 
@@ -81,15 +97,7 @@ def run_until_killed(
     logged and ``kill_when_exists`` (a path, or all of a list; a callable in the list is a
     condition that must hold) is on disk (either alone when the other is not given).
     Returns the output so far."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(script),
-        *args,
-    ]
+    cmd = launch_command(2, script, args)
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -145,7 +153,7 @@ def tracker_at(ckpt: Path, iteration: int):
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every rank (torchrun puts ranks in their own sessions)."""
+    """SIGKILL the launcher and every rank (launchers put ranks in their own sessions)."""
     try:
         victims = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:  # it ended by itself: the caller's assertion says why
@@ -161,18 +169,18 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
-def rank_process(rank: int, torchrun_pid: int | None = None) -> psutil.Process:
-    """The training process of global ``rank``: a child of torchrun whose environment says
+def rank_process(rank: int, launcher_pid: int | None = None) -> psutil.Process:
+    """The training process of global ``rank``: a child of a launcher whose environment says
     ``RANK=rank`` (not a process the rank forked, which shares its command line and environment,
-    nor the launcher); under the torchrun ``torchrun_pid`` when given, else anywhere."""
-    if torchrun_pid is not None:
-        candidates = psutil.Process(torchrun_pid).children()
+    nor the launcher); under the launcher ``launcher_pid`` when given, else anywhere."""
+    if launcher_pid is not None:
+        candidates = psutil.Process(launcher_pid).children()
     else:
         candidates = [
             p
             for p in psutil.process_iter()
-            if "torch.distributed.run" in _cmdline(p.ppid())
-        ]  # fmt: skip
+            if any(name in arg for arg in _cmdline(p.ppid()) for name in LAUNCHERS)
+        ]
     found = []
     for p in candidates:
         try:

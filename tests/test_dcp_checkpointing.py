@@ -2,7 +2,7 @@
 
 It is what LowDiff+ is benchmarked against, so it must be a real checkpoint: an async DCP save
 every 2 iterations, then new processes load the newest one and train on; parameters, optimizer
-state and losses equal an uninterrupted run's (``torch.equal``). Real processes (torchrun, gloo).
+state and losses equal an uninterrupted run's (``torch.equal``). Real processes (gloo).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A run with ``--diffckpt-mode lowdiff`` is killed (SIGKILL, all ranks) while training, after its
 newest base; new processes load the base, replay the differentials every rank holds durably, and
 train on. Their final parameters, optimizer state (main params, exp_avg, exp_avg_sq, step) and
-losses must equal an uninterrupted run's (``torch.equal``). Real processes (torchrun, gloo).
+losses must equal an uninterrupted run's (``torch.equal``). Real processes (gloo).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 N iterations straight, against k iterations, a checkpoint, a new set of processes that loads it,
 and N - k more: model parameters, optimizer main parameters, exp_avg, exp_avg_sq, step and every
-iteration's loss must be identical (``torch.equal``), on every rank. Real processes (torchrun,
-gloo), real megatron-core through CPU mode. Dropout is on, so the RNG states must round-trip too.
+iteration's loss must be identical (``torch.equal``), on every rank. Real processes (gloo),
+real megatron-core through CPU mode. Dropout is on, so the RNG states must round-trip too.
 """
 
 from __future__ import annotations

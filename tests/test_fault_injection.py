@@ -31,7 +31,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from launch import (
     _env,
     assert_same_state,
     kill_tree,
+    launch_command,
     load_dumps,
     rank_process,
     run_cli,
@@ -102,10 +102,8 @@ class Attempt:
 
 
 def _start(job: list[str], env: dict[str, str]) -> Attempt:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", str(PRETRAIN_GPT), *job]  # fmt: skip
     proc = subprocess.Popen(
-        cmd,
+        launch_command(2, PRETRAIN_GPT, job),
         cwd=REPO,
         env={**_env(), **env},
         stdout=subprocess.PIPE,
@@ -161,7 +159,7 @@ def _early(rng: random.Random, point: str | int, at: int) -> Plan:
 
 
 def _kill(attempt: Attempt, rank: int | None) -> None:
-    """SIGKILL one rank (torchrun then stops the other) or every process of the attempt."""
+    """SIGKILL one rank (the launcher then stops the other) or every process of the attempt."""
     if rank is not None:
         try:
             rank_process(rank, attempt.proc.pid).kill()

@@ -1,4 +1,4 @@
-"""LowDiff+ end to end: real megatron-core on CPU processes (torchrun, gloo).
+"""LowDiff+ end to end: real megatron-core on CPU processes (gloo).
 
 - The host replica, merged from bucket snapshots, equals the training state bit for bit
   (``torch.equal``) for (TP, PP, DP) = (1, 1, 2) in bf16, (2, 1, 1), (1, 2, 1), with gradient

@@ -136,8 +136,8 @@ def _assert_same_checkpoint(expected: Path, got: Path, diff_dir: Path | None) ->
             assert groups[0] == groups[1], key
 
 
-def _run(*args: str) -> str:
-    proc = run_gpt(2, *args, script=SCRIPT)
+def _run(*args: str, torchrun: bool = False) -> str:
+    proc = run_gpt(2, *args, script=SCRIPT, torchrun=torchrun)
     return proc.stdout + proc.stderr
 
 
@@ -178,23 +178,28 @@ def straight_runs(tmp_path_factory):
     return get
 
 
-def _assert_stock_resumes_as_from(gpt: list[str], load: Path, straight: Path, at: int, tmp):
+def _assert_stock_resumes_as_from(
+    gpt: list[str], load: Path, straight: Path, at: int, tmp, reference: bool = True
+):
     """Stock Megatron-LM (differential checkpointing off) resumes from ``load``'s newest base
-    (at ``at``) exactly as from the uninterrupted run's own save at ``at``: the same loss at
-    ``at + 1``. (Not the uninterrupted run's loss: building the data iterators after a load
-    draws from torch's generator, so a stock resume on CPU, where dropout draws from it too,
-    differs from straight training; the integration restores the generators, stock does not.)"""
-    reference = tmp / f"stock-{at}"
-    shutil.copytree(straight / f"iter_{at:07d}", reference / f"iter_{at:07d}")
-    (reference / "latest_checkpointed_iteration.txt").write_text(str(at))
+    (at ``at``): it loads it and trains on; with ``reference``, exactly as from the uninterrupted
+    run's own save at ``at``: the same loss at ``at + 1``. (Not the uninterrupted run's loss:
+    building the data iterators after a load draws from torch's generator, so a stock resume on
+    CPU, where dropout draws from it too, differs from straight training; the integration
+    restores the generators, stock does not.)"""
+    folders = [load]
+    if reference:
+        folders.append(tmp / f"stock-{at}")
+        shutil.copytree(straight / f"iter_{at:07d}", folders[1] / f"iter_{at:07d}")
+        (folders[1] / "latest_checkpointed_iteration.txt").write_text(str(at))
     losses = []
-    for folder in (load, reference):
+    for folder in folders:
         log = _run(*gpt, "--train-iters", str(TOTAL), "--exit-interval", str(at + 1),
                    "--load", str(folder))  # fmt: skip
         assert re.search(rf"loaded checkpoint from .* at iteration {at}", log), log[-3000:]
         assert f"consumed samples: {8 * (at + 1):12d}" in log
         losses.append(_losses(log))
-    assert sorted(losses[0]) == [at + 1] and losses[0] == losses[1]
+    assert sorted(losses[0]) == [at + 1] and losses[0] == losses[-1]
 
 
 def _kill_after(args: list[str], ckpt: Path, rank_dirs, at: int, *also: Path) -> None:
@@ -293,11 +298,15 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
     tracker = (ckpt / "latest_checkpointed_iteration.txt").read_text()
     assert tracker in ("5", "10")  # killed before or after the tracker moved to 10
 
-    # The base the replica wrote through Megatron-LM's save path is stock Megatron-LM's save of
+    # The bases the replica wrote through Megatron-LM's save path are stock Megatron-LM's saves of
     # the training state, tensor by tensor.
-    _assert_same_checkpoint(straight / "iter_0000010", ckpt / "iter_0000010", ckpt / "diffckpt")
-    # Stock Megatron-LM (differential checkpointing off) resumes from the replica's bases.
-    _assert_stock_resumes_as_from(gpt, ckpt, straight, int(tracker), tmp_path)
+    for base in sorted({"10", tracker}):
+        name = f"iter_{int(base):07d}"
+        _assert_same_checkpoint(straight / name, ckpt / name, ckpt / "diffckpt")
+    # Stock Megatron-LM (differential checkpointing off) resumes from the replica's bases (no
+    # reference resume: what it loads, tensors and RNG states, equals stock's save, and Megatron-LM
+    # wrote the rest itself; a merged base, whose common state the merge writes, has one above).
+    _assert_stock_resumes_as_from(gpt, ckpt, straight, int(tracker), tmp_path, reference=False)
     # Offline merge of the LowDiff+ run: the state at 11 from the newest base and the dense
     # differentials the merger logged.
     _assert_merge_equals(ckpt, 11, straight, tmp_path)
@@ -477,13 +486,13 @@ def test_a_full_save_skips_its_bases_or_stops_in_one_line(tmp_path, tmpfs, when_
     every rank (in the finalize step of Megatron-LM's ``--async-save`` with skip; in its
     synchronous save with block). skip: one warning, training to the end; block: one line, exit
     2; either way no partial base, and with space the same command trains and ``verify``
-    passes."""
+    passes. Under torchrun, as a user sees it."""
     save = tmpfs("save", "1m")
     flags = ["--overlap-grad-reduce", *ASYNC_SAVE.split()] if when_full == "skip" else []
     args = [*GPT, *flags, "--save", str(save), "--load", str(save), "--save-interval", "4",
             "--diffckpt-mode", "lowdiff", "--diffckpt-when-full", when_full,
             "--train-iters", "6"]  # fmt: skip
-    proc = run_gpt(2, *args, script=SCRIPT, check=False)
+    proc = run_gpt(2, *args, script=SCRIPT, check=False, torchrun=True)
     log = proc.stdout + proc.stderr
     if when_full == "skip":
         assert proc.returncode == 0, log[-4000:]
@@ -500,7 +509,7 @@ def test_a_full_save_skips_its_bases_or_stops_in_one_line(tmp_path, tmpfs, when_
     assert set(tracebacks) <= {"<frozen runpy>"}, log[-4000:]
     assert not list(save.glob("iter_*")), list(save.iterdir())
     tmpfs.grow(save)
-    _run(*args)
+    _run(*args, torchrun=True)
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
     verify = run_cli("verify", str(save))
     assert verify.returncode == 0, verify.stdout + verify.stderr

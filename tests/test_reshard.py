@@ -9,7 +9,7 @@ to an uninterrupted run's at the same iteration assembled the same way; training
 its losses within 2% of the uninterrupted run's (the RNG states of another TP/PP layout are not
 loaded, so dropout draws differ). Also: (TP 2) to (DP 2); the merged checkpoint holds no bucket
 padding; a ``dp_reshardable`` base under another TP size is refused in one line naming the merge;
-the top-k exchange's residuals are dropped with a note. Real processes (torchrun, gloo).
+the top-k exchange's residuals are dropped with a note. Real processes (gloo).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ One ``--diffckpt-mode lowdiff`` run on 2 processes (DP 2) is killed with SIGKILL
 - the same job recovered onto its last iteration (6) still ends with its final base, and logs
   that the checkpoint writer was started at start-up, off the training path.
 
-Real processes (torchrun, gloo).
+Real processes (gloo).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _copy(ckpt, tmp_path):
 def _refused(proc) -> str:
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "exitcode: 2" in log, log[-3000:]
-    # One line from the ranks, not a traceback out of megatron (torchrun's own follows it).
+    # One line from the ranks, not a traceback out of megatron (the launcher's own line follows it).
     assert "pretrain_gpt.py: error: " in log and 'File "/' not in log.split("exitcode: 2")[0]
     return log
 
