@@ -1,11 +1,13 @@
 """Start the GPT example as real processes (gloo) and read back what it wrote.
 
 Jobs start through :mod:`rank_launcher` (torchrun's single-node launch without its agent, which
-imports torch before any rank starts) unless a test asks for ``torchrun=True``.
+imports torch before any rank starts), its ranks forked by the session's :mod:`fork_server`,
+unless a test asks for ``torchrun=True``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
@@ -13,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,12 +43,74 @@ def _env() -> dict[str, str]:
     return env
 
 
-LAUNCHERS = ("torch.distributed.run", "rank_launcher.py")  # in a rank's parent's command line
+# In a rank's parent's command line: the launchers (the fork server's job leaders are forks of it).
+LAUNCHERS = ("torch.distributed.run", "rank_launcher.py", "fork_server.py")
+FORK_SERVER_ENV = "DIFFCKPT_FORK_SERVER"  # as rank_launcher.FORK_SERVER_ENV
+_fork_server: dict[str, str] = {}  # "socket": the session's fork server, once started
+
+
+def _fork_server_socket() -> str | None:
+    """The session's :mod:`fork_server`, started on first use (it ends with this process); None
+    with ``DIFFCKPT_TEST_FORK_SERVER=0``."""
+    if os.environ.get("DIFFCKPT_TEST_FORK_SERVER", "1") == "0":
+        return None
+    if "socket" not in _fork_server:
+        folder = Path(tempfile.mkdtemp(prefix="diffckpt-fork-server-"))
+        sock, log = folder / "socket", folder / "server.log"
+        with open(log, "w") as out:
+            server = subprocess.Popen(
+                [sys.executable, "-u", str(Path(__file__).with_name("fork_server.py")), str(sock)],
+                cwd=REPO, env=_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            )  # fmt: skip
+        atexit.register(server.kill)
+        deadline = time.monotonic() + 120
+        while not sock.exists():
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise AssertionError("the fork server did not start:\n" + log.read_text()[-4000:])
+            time.sleep(0.05)
+        _fork_server["socket"] = str(sock)
+    return _fork_server["socket"]
+
+
+def job_env(torchrun: bool = False) -> dict[str, str]:
+    """The environment of a job's launcher: with the fork server's socket, unless under
+    torchrun."""
+    env = _env()
+    sock = None if torchrun else _fork_server_socket()
+    if sock is not None:
+        env[FORK_SERVER_ENV] = sock
+    return env
+
+
+def _leader_of(launcher_pid: int) -> int | None:
+    """The fork server's job leader of the job whose launcher is ``launcher_pid`` (its ranks are
+    the leader's children), or None."""
+    sock = _fork_server.get("socket")
+    try:
+        return int(Path(f"{sock}.{launcher_pid}").read_text()) if sock else None
+    except (OSError, ValueError):
+        return None
+
+
+def job_processes(launcher_pid: int) -> list[psutil.Process]:
+    """Every process of the job whose launcher is ``launcher_pid``, the launcher excluded: its
+    descendants, and where the fork server runs the job, the job leader and its descendants."""
+    found = []
+    for root, include in ((launcher_pid, False), (_leader_of(launcher_pid), True)):
+        if root is None:
+            continue
+        try:
+            p = psutil.Process(root)
+            found += [p] * include + p.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def launch_command(nproc: int, script: Path, args, torchrun: bool = False) -> list[str]:
     """The command line of a job of ``nproc`` ranks of ``script``: under torchrun
-    (``--standalone``) or :mod:`rank_launcher`."""
+    (``--standalone``) or :mod:`rank_launcher`; run it with :func:`job_env`."""
     if torchrun:
         launcher = ["-m", "torch.distributed.run", "--standalone"]
     else:
@@ -60,7 +125,7 @@ def run_gpt(
     ``torchrun``); output captured, bounded in time."""
     cmd = launch_command(nproc, script, args, torchrun)
     proc = subprocess.run(
-        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        cmd, cwd=REPO, env=job_env(torchrun), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -101,7 +166,7 @@ def run_until_killed(
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=_env(),
+        env=job_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -153,11 +218,8 @@ def tracker_at(ckpt: Path, iteration: int):
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every rank (launchers put ranks in their own sessions)."""
-    try:
-        victims = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:  # it ended by itself: the caller's assertion says why
-        victims = []
+    """SIGKILL the launcher and every process of its job (:func:`job_processes`)."""
+    victims = job_processes(proc.pid)  # empty when it ended by itself: the caller says why
     for p in victims:
         try:
             p.send_signal(signal.SIGKILL)
@@ -170,11 +232,16 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def rank_process(rank: int, launcher_pid: int | None = None) -> psutil.Process:
-    """The training process of global ``rank``: a child of a launcher whose environment says
-    ``RANK=rank`` (not a process the rank forked, which shares its command line and environment,
-    nor the launcher); under the launcher ``launcher_pid`` when given, else anywhere."""
+    """The training process of global ``rank``: one whose environment says ``RANK=rank`` and
+    whose parent's does not (a process a rank forked shares its command line and environment);
+    in the job of the launcher ``launcher_pid`` when given, else below any launcher."""
+    sock = _fork_server.get("socket")
+    if launcher_pid is not None and sock and os.path.exists(f"{sock}.{launcher_pid}.ranks"):
+        # forked by the fork server, whose job leader lists its ranks' pids by rank
+        pids = Path(f"{sock}.{launcher_pid}.ranks").read_text().split()
+        return psutil.Process(int(pids[rank]))
     if launcher_pid is not None:
-        candidates = psutil.Process(launcher_pid).children()
+        candidates = job_processes(launcher_pid)
     else:
         candidates = [
             p
@@ -184,10 +251,10 @@ def rank_process(rank: int, launcher_pid: int | None = None) -> psutil.Process:
     found = []
     for p in candidates:
         try:
-            if p.environ().get("RANK") == str(rank):
+            if p.environ().get("RANK") == str(rank) and "RANK" not in p.parent().environ():
                 found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+            continue  # gone, or its parent is (AttributeError: no parent)
     assert len(found) == 1, f"expected one process of rank {rank}, found {found}"
     return found[0]
 

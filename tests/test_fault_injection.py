@@ -43,8 +43,8 @@ from launch import (
     REPO,
     RUN_TIMEOUT_S,
     TINY_GPT,
-    _env,
     assert_same_state,
+    job_env,
     kill_tree,
     launch_command,
     load_dumps,
@@ -105,7 +105,7 @@ def _start(job: list[str], env: dict[str, str]) -> Attempt:
     proc = subprocess.Popen(
         launch_command(2, PRETRAIN_GPT, job),
         cwd=REPO,
-        env={**_env(), **env},
+        env={**job_env(), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
