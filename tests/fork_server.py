@@ -30,6 +30,8 @@ then a no-op). The start-up path itself stays under test where it is the subject
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -42,6 +44,7 @@ import sys
 import threading
 import traceback
 
+PR_SET_CHILD_SUBREAPER = 36
 PRELOAD = (
     "torch",
     "torch._dynamo",
@@ -106,8 +109,11 @@ def _run_rank(script: str, args: list[str], env: dict[str, str]) -> None:
     os.setsid()  # as rank_launcher's ranks (torchrun's workers): a session of its own
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from megatron_diffckpt import cpu_mode
+
     os.environ.clear()
     os.environ.update(env)
+    os.environ[cpu_mode._INHERITED] = "1"  # as cpu_mode.enable() sets it, for spawned helpers
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
     code = 0
@@ -134,9 +140,12 @@ def _run_rank(script: str, args: list[str], env: dict[str, str]) -> None:
 def _lead(request: dict, conn: socket.socket, go: int, server: int) -> None:
     """In a forked job leader: once the server says go (the job file is written), fork the
     ranks, supervise them, exit with the job's code. Never returns."""
+    import psutil
     import rank_launcher
 
     os.setsid()
+    # What the ranks leave (megatron's writer helpers) becomes the leader's, and goes with it.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     os.read(go, 1)
     os.close(go)
     nproc, script, args = request["nproc"], request["script"], request["args"]
@@ -163,6 +172,11 @@ def _lead(request: dict, conn: socket.socket, go: int, server: int) -> None:
     try:
         code = rank_launcher.supervise(ranks, abandon=abandoned)
     finally:
+        leftovers = psutil.Process().children(recursive=True)
+        for p in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(leftovers, timeout=30)
         os._exit(code)
 
 
@@ -234,5 +248,4 @@ def serve(sock_path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     serve(sys.argv[1])

@@ -120,9 +120,11 @@ def supervise(ranks: list, abandon: Callable[[], bool] | None = None) -> int:
         codes = [p.poll() for p in ranks]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            rank, code = failed[0]  # "exitcode: N" as torchrun's failure summary says it
-            print(f"rank_launcher: rank {rank} failed (exitcode: {code}); stopping the job",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            rank, code = failed[0]  # in the words of torchrun's error line and failure table
+            pid = ranks[rank].pid
+            print(f"rank_launcher: failed (exitcode: {code}) local_rank: {rank} (pid: {pid}); "
+                  f"stopping the job\n  rank      : {rank} (local_rank: {rank})\n"
+                  f"  exitcode  : {code} (pid: {pid})", file=sys.stderr, flush=True)  # fmt: skip
             _stop(ranks)
             return 1
         if all(c == 0 for c in codes):
