@@ -3,7 +3,8 @@ both systems inside Megatron-LM's ``pretrain()``, with nothing changed but the `
 flags.
 
 Megatron-LM is not a package on the registries: it comes from a checkout (written against and
-checked with the versions in :data:`TESTED_MEGATRON_LM_VERSIONS`). Every hook wraps a module
+checked with the versions in :data:`TESTED_MEGATRON_LM_VERSIONS`; each release's signatures of
+the hooked functions are in :mod:`megatron_lm_releases`). Every hook wraps a module
 global that Megatron-LM's code looks up at call time, and calls the original; all of them talk
 to the :class:`~megatron_diffckpt.manager.DiffCheckpointManager` through its public interface:
 
@@ -66,68 +67,31 @@ from megatron_diffckpt.checkpoint_layout import (
 )
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.errors import DiffCkptUsageError
+from megatron_diffckpt.integrations.megatron_lm_releases import CHECKPOINTING as _C
+from megatron_diffckpt.integrations.megatron_lm_releases import (
+    GENERATE_STATE_DICT_SIGNATURE,
+    MEGATRON_LM_COMMITS,
+    SIGNATURES,
+    TESTED_MEGATRON_LM_VERSIONS,
+)
+from megatron_diffckpt.integrations.megatron_lm_releases import TRAINING as _T
 from megatron_diffckpt.patches import base_checkpoint, grad_sync
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
 from megatron_diffckpt.storage.format import DiffRecord
 from megatron_diffckpt.strategy import BaseSource
 
 logger = logging.getLogger(__name__)
-
-# Megatron-LM versions (git tags of its repository) these hooks were checked against, and the
-# commit of each tag (the Dockerfile fetches Megatron-LM by commit).
-TESTED_MEGATRON_LM_VERSIONS = ("core_v0.16.1", "core_v0.19.0")
-MEGATRON_LM_COMMITS = {
-    "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
-    "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
-}
-
-_T = "megatron.training.training"
-_C = "megatron.training.checkpointing"
-_GROUP = "Optional[torch.distributed.distributed_c10d.ProcessGroup] = None"
-_PG_COLLECTION = (
-    "megatron.core.process_groups_config.ProcessGroupCollection, "
-    "megatron.core.process_groups_config.MultiModuleProcessGroupCollection"
-)
-_SAVE_016 = (
-    "(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, "
-    "checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None, "
-    "pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False, "
-    "train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False, "
-    f"tp_group: {_GROUP}, pp_group: {_GROUP}, dp_cp_group: {_GROUP}"
-)
-# Megatron-LM's signatures per megatron-core release (the hooks bind arguments by name).
-_SIGNATURES = {
-    "setup_model_and_optimizer": {
-        "0.16.1": "(model_provider_func, model_type, checkpointing_context=None)",
-        "0.19.0": "(model_type, model_provider_func=None, checkpointing_context=None, *, "
-        "cfg_container: megatron.training.config.container.PretrainConfigContainer | None = "
-        f"None, pg_collection: {_PG_COLLECTION.replace(', ', ' | ')} | None = None)",
-    },
-    "num_flops": {  # num_floating_point_operations
-        "0.16.1": "(args, batch_size)",
-        "0.19.0": "(args, batch_size, seqlen_squared_sum_in_batch=None, "
-        "total_real_tokens_in_batch=None)",
-    },
-    "train_step": {
-        "0.16.1": "(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, "
-        "config, forward_backward_func, iteration=None)",
-        "0.19.0": "(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, "
-        f"config, forward_backward_func, iteration=None, pg_collection: Union[{_PG_COLLECTION}"
-        ", NoneType] = None, p2p_communicator: Optional[megatron.core.pipeline_parallel."
-        "p2p_communication.P2PCommunicator] = None)",
-    },
-    "save_checkpoint": {
-        "0.16.1": _SAVE_016 + ")",
-        "0.19.0": _SAVE_016
-        + f", dp_group: {_GROUP}, expt_dp_group: {_GROUP}, rng_state_key_prefix: str = '')",
-    },
-    "schedule_async_save": {
-        "0.16.1": "(async_request: megatron.core.dist_checkpointing.strategies.async_utils."
-        "AsyncRequest)",
-        "0.19.0": "(async_request: megatron.core.dist_checkpointing.strategies.async_utils."
-        "AsyncRequest | typing.Any)",
-    },
-}
+__all__ = [
+    "MEGATRON_LM_COMMITS",  # from megatron_lm_releases, with the signatures of each release
+    "PATCHES",
+    "RUN",
+    "TESTED_MEGATRON_LM_VERSIONS",
+    "MegatronLMIntegrationError",
+    "add_arguments",
+    "apply",
+    "check_drift",
+    "revert",
+]
 
 
 class MegatronLMIntegrationError(DiffCkptUsageError):
@@ -564,23 +528,18 @@ def _compile_helpers_wrapper(original: Callable) -> Callable:
     return compile_helpers
 
 
-_GENERATE_STATE_DICT_SIGNATURE = (
-    "(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None, "
-    "optim_sd_kwargs=None, model_sd_kwargs=None, rerun_state=None)"
-)
-
 PATCHES = PatchSet(
     (
         MethodPatch(
             target=f"{_T}:setup_model_and_optimizer",
-            expected_signature=_SIGNATURES["setup_model_and_optimizer"],
+            expected_signature=SIGNATURES["setup_model_and_optimizer"],
             make_wrapper=_setup_wrapper,
             purpose="recover from base + differentials and start capturing after --load",
-            requires=((f"{_T}:num_floating_point_operations", _SIGNATURES["num_flops"]),),
+            requires=((f"{_T}:num_floating_point_operations", SIGNATURES["num_flops"]),),
         ),
         MethodPatch(
             target=f"{_T}:train_step",
-            expected_signature=_SIGNATURES["train_step"],
+            expected_signature=SIGNATURES["train_step"],
             make_wrapper=_train_step_wrapper,
             purpose="hand each iteration's differential to the diff log",
             requires=(
@@ -594,20 +553,20 @@ PATCHES = PatchSet(
         ),
         MethodPatch(
             target=f"{_T}:save_checkpoint",
-            expected_signature=_SIGNATURES["save_checkpoint"],
+            expected_signature=SIGNATURES["save_checkpoint"],
             make_wrapper=_save_wrapper,
             purpose="save bases through the manager (LowDiff+: from the replica)",
         ),
         MethodPatch(
             target=f"{_C}:generate_state_dict",
-            expected_signature=_GENERATE_STATE_DICT_SIGNATURE,
+            expected_signature=GENERATE_STATE_DICT_SIGNATURE,
             make_wrapper=_generate_state_dict_wrapper,
             purpose="save the compressed exchange's error-feedback residuals with every base; "
             "refuse a base of another model in one line",
         ),
         MethodPatch(
             target=f"{_C}:schedule_async_save",
-            expected_signature=_SIGNATURES["schedule_async_save"],
+            expected_signature=SIGNATURES["schedule_async_save"],
             make_wrapper=_schedule_async_save_wrapper,
             purpose="learn when an asynchronous base is published; write LowDiff+ bases",
         ),
