@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from rank_launcher import FORK_SERVER_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
@@ -45,7 +47,6 @@ def _env() -> dict[str, str]:
 
 # In a rank's parent's command line: the launchers (the fork server's job leaders are forks of it).
 LAUNCHERS = ("torch.distributed.run", "rank_launcher.py", "fork_server.py")
-FORK_SERVER_ENV = "DIFFCKPT_FORK_SERVER"  # as rank_launcher.FORK_SERVER_ENV
 _fork_server: dict[str, str] = {}  # "socket": the session's fork server, once started
 
 
@@ -62,7 +63,8 @@ def _fork_server_socket() -> str | None:
                 [sys.executable, "-u", str(Path(__file__).with_name("fork_server.py")), str(sock)],
                 cwd=REPO, env=_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
             )  # fmt: skip
-        atexit.register(server.kill)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        atexit.register(server.kill)  # first (atexit runs last in, first out)
         deadline = time.monotonic() + 120
         while not sock.exists():
             if server.poll() is not None or time.monotonic() > deadline:
