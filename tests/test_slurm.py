@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def _submit(env, out: Path, save: Path, args: list[str], **extra) -> str:
             "SAVE": str(save),
             "NPROC_PER_NODE": "2",
             "TRAIN_SCRIPT": "examples/gpt/pretrain_gpt.py",
+            "PYTHON": sys.executable,  # this lane's Python (the script's default is .venv's)
             **extra,
         },  # fmt: skip
         cwd=REPO,
