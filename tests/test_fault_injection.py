@@ -213,8 +213,8 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
     job = [*COMMON, "--train-iters", str(TOTAL), "--save", str(ckpt), "--load", str(ckpt),
            "--save-interval", str(F), "--diffckpt-mode", mode, "--diffckpt-batch-size", str(B),
            "--diffckpt-max-pending", str(MAX_PENDING), "--dump-state", str(dumps)]  # fmt: skip
-    # The first iterations' points; every kind once, in a random order; then random draws (a replay
-    # only where there is one).
+    # The first iterations' points; every kind once, in a random order (a replay once there is
+    # one); then random draws.
     early = list(EARLY)
     order = list(KINDS)
     rng.shuffle(order)
@@ -241,8 +241,12 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
             else:
                 kind = order.pop() if order else rng.choice(KINDS)
                 if kind == "replay" and at - max(_tracker(ckpt), 0) < 3:
-                    kind = "iteration-one"
-                plan = _draw(rng, kind, at, ckpt)
+                    # Nothing to replay yet: kill 3 or 4 iterations past a base, replay next.
+                    order.append("replay")
+                    past = next(k for k in range(at + 1, at + F + 1) if k % F >= 3)
+                    plan = Plan("iteration-one", rng.randrange(2), iteration=past)
+                else:
+                    plan = _draw(rng, kind, at, ckpt)
             since = time.time()
             attempt = _start(job, plan.env)
             if plan.kind == "none":
