@@ -1,34 +1,39 @@
-"""LowDiff+ against no checkpointing, stock megatron saves and PyTorch DCP, every iteration.
+"""LowDiff+ as the model grows: against no checkpointing, stock megatron saves and PyTorch DCP.
 
 Run (from the repository root; ``make bench`` installs the plotting requirements first)::
 
-    .venv/bin/python benchmarks/lowdiff_plus_overhead.py [--repeats 3] [--iters 20]
+    .venv/bin/python benchmarks/lowdiff_plus_overhead.py [--sizes 3M,13M,50M] [--repeats N]
 
-One invocation, the configurations interleaved round by round so that drift of the machine hits
-them alike. Each trains the same uncompressed GPT (``MODEL`` of lowdiff_overhead.py, 2 processes,
-the distributed optimizer with overlapped gradient reduction):
+One invocation per sweep; within each model size the configurations run interleaved round by
+round, so that drift of the machine hits them alike. Each trains the same uncompressed GPT
+(``SIZES``: 4 layers, hidden 256 / 512 / 1024, about 3.3M / 12.9M / 50.9M parameters) on 2
+processes (the distributed optimizer with overlapped gradient reduction):
 
 - ``none``: no checkpoints;
 - ``plus``: ``--diffckpt-mode lowdiff-plus``, a recoverable state every iteration: bucket
   snapshots merged into the host replica, every merged step appended to the diff log (dense,
   exact), a base written from the replica every ``PLUS_BASE_INTERVAL`` iterations;
-- ``plus_f1``: LowDiff+ writing a full base from the replica every iteration (no diff log);
-- ``stock_sync`` / ``stock_async``: a stock megatron ``dist_checkpointing`` save every iteration;
-- ``dcp_async``: PyTorch DCP ``async_save`` of the same state every iteration
-  (``--ckpt-format torch_dcp --async-save``).
+- ``plus_nolog``: the same without the diff log (a recoverable state at every base only);
+- ``plus_f1``: LowDiff+ writing a base from the replica every iteration (no diff log): what a
+  base costs, side by side with
+- ``stock_async`` (a stock megatron ``dist_checkpointing`` async save every iteration), and
+  ``stock_sync`` / ``dcp_async`` (PyTorch DCP ``async_save``, ``--ckpt-format torch_dcp``) of the
+  same state every iteration.
 
-With PP = 2 (``none_pp2``, ``plus_pp2``) the same comparison reports the share of snapshot copy
+At the smallest size, PP = 2 too (``none_pp2``, ``plus_pp2``), with the share of snapshot copy
 time that fell inside pipeline bubbles (from the stages' traces).
 
 An iteration's time is the whole loop body (train step, LowDiff+ hand-off, save), as the example
 logs it. Per run: median and mean over the measured iterations (the first ``WARMUP`` and the last,
 which ends with a save, are left out; the mean includes the iterations that write a base); per
 configuration: the median over runs. Overhead is against ``none`` (``plus_pp2`` against
-``none_pp2``). Peak host memory: the largest sum of the resident set sizes of all processes of a
-run (torchrun, ranks, writer processes), sampled every 50 ms. LowDiff+'s direct cost on the
-training path (flushes, slot waits, hand-off; logged per iteration as "diff time") is reported
-too: a figure the run-to-run noise does not blur (it leaves out the background threads'
-competition for the cores).
+``none_pp2``). From each LowDiff+ run (rank 0's trace): the CPU seconds per iteration of the
+background work by activity (snapshot copy, merge step, diff-log record and write) beside the
+training optimizer's own step, the CPU seconds per base by step, and the host memory LowDiff+
+holds (replica, persist copy, snapshot slots, host model parameters). Host memory of a run: the
+peak of the summed proportional set sizes (PSS: pages shared between processes, e.g. after a
+fork, counted once) of all its processes, sampled every 200 ms. Bytes per iteration: the diff
+log's per rank, a checkpoint's per rank.
 
 Results go to ``benchmarks/results/lowdiff_plus_overhead.json`` and ``.png``.
 """
@@ -72,23 +77,46 @@ PLUS_BASE_INTERVAL = 10
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
-def configs(ckpt: str) -> dict[str, list[str]]:
+def _model(hidden: int, micro_batch: int) -> list[str]:
+    """``MODEL`` (lowdiff_overhead.py) at another hidden size and micro-batch."""
+    args = list(MODEL)
+    args[args.index("--hidden-size") + 1] = str(hidden)
+    args[args.index("--micro-batch-size") + 1] = str(micro_batch)
+    args[args.index("--global-batch-size") + 1] = str(micro_batch * NPROC)
+    return args
+
+
+# name -> (model arguments, measured iterations per run, runs per configuration). The largest
+# size trains a smaller micro-batch (an iteration of about the 13M model's length), fewer
+# iterations per run and fewer runs (``--repeats`` overrides the runs of every size).
+SIZES = {
+    "3M": (_model(256, 4), 20, 3),
+    "13M": (_model(512, 4), 20, 3),
+    "50M": (_model(1024, 1), 10, 2),
+}
+
+
+def configs(ckpt: str, with_pp2: bool) -> dict[str, list[str]]:
     plus = ["--diffckpt-mode", "lowdiff-plus", "--save", ckpt]
     every = ["--save", ckpt, "--save-interval", "1"]
-    return {
+    bases = ["--diffckpt-full-interval", str(PLUS_BASE_INTERVAL)]
+    names = {
         "none": [],
-        "plus": [*plus, "--diffckpt-full-interval", str(PLUS_BASE_INTERVAL)],
+        "plus": [*plus, *bases],
+        "plus_nolog": [*plus, *bases, "--diffckpt-plus-no-diff-log"],
         "plus_f1": [*plus, "--diffckpt-full-interval", "1", "--diffckpt-plus-no-diff-log"],
         "stock_sync": every,
         "stock_async": [*every, "--async-save"],
         "dcp_async": [*every, "--ckpt-format", "torch_dcp", "--async-save"],
-        "none_pp2": PP2,
-        "plus_pp2": [*PP2, *plus, "--diffckpt-full-interval", str(PLUS_BASE_INTERVAL)],
     }
+    if with_pp2:
+        names["none_pp2"] = PP2
+        names["plus_pp2"] = [*PP2, *plus, *bases]
+    return names
 
 
 def run_sampled(args: list[str], log: Path) -> tuple[str, float]:
-    """Train with ``args``; the rank-0 log and the peak summed RSS (bytes) of the process tree."""
+    """Train with ``args``; the rank-0 log and the peak summed PSS (bytes) of the process tree."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={NPROC}", str(PRETRAIN_GPT), *args]
@@ -103,21 +131,20 @@ def run_sampled(args: list[str], log: Path) -> tuple[str, float]:
         root = psutil.Process(proc.pid)
         while not done.is_set():
             try:
-                tree = [root, *root.children(recursive=True)]
                 total = 0
-                for p in tree:
+                for p in [root, *root.children(recursive=True)]:
                     try:
-                        total += p.memory_info().rss
+                        total += p.memory_full_info().pss
                     except psutil.Error:
                         pass
                 peak = max(peak, total)
             except psutil.Error:
                 pass
-            time.sleep(0.05)
+            time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    out, _ = proc.communicate(timeout=1800)
+    out, _ = proc.communicate(timeout=3600)
     done.set()
     sampler.join()
     log.write_text(out)
@@ -126,44 +153,47 @@ def run_sampled(args: list[str], log: Path) -> tuple[str, float]:
     return out, peak
 
 
-def _trace_summary(ckpt: Path) -> dict:
-    """The stages' LowDiff+ traces: copy time, the part inside bubbles, per stage."""
+def _traces(ckpt: Path) -> dict:
+    """The stages' LowDiff+ traces: copy time inside bubbles; rank 0's CPU report."""
     stages = {}
     for path in sorted((ckpt / "diffckpt" / "trace").glob("*.json")):
-        stages[path.stem] = json.loads(path.read_text())["summary"]
-    copy = sum(s["copy_seconds"] for s in stages.values())
-    inside = sum(s["copy_seconds_in_bubbles"] for s in stages.values())
-    return {"stages": stages, "share_in_bubbles": inside / copy if copy else 0.0}
+        stages[path.stem] = json.loads(path.read_text())
+    copy = sum(s["summary"]["copy_seconds"] for s in stages.values())
+    inside = sum(s["summary"]["copy_seconds_in_bubbles"] for s in stages.values())
+    first = stages[sorted(stages)[0]] if stages else {}
+    return {"share_in_bubbles": inside / copy if copy else 0.0, "cpu": first.get("cpu", {})}
 
 
-def measure(work: Path, repeats: int, iters: int) -> dict:
+def measure(work: Path, size: str, repeats: int | None, with_pp2: bool) -> dict:
+    model, iters, runs = SIZES[size]
+    repeats = repeats or runs
     total = WARMUP + iters + 1
-    names = list(configs(""))
+    names = list(configs("", with_pp2))
     med: dict[str, list[float]] = {n: [] for n in names}
     mean: dict[str, list[float]] = {n: [] for n in names}
     direct: dict[str, list[float]] = {n: [] for n in names}
     peak: dict[str, list[int]] = {n: [] for n in names}
     extra: dict[str, dict] = {n: {} for n in names}
     for round_, name in interleaved(names, repeats):
-        ckpt = work / f"ckpt_{name}"
+        ckpt = work / f"ckpt_{size}_{name}"
         shutil.rmtree(ckpt, ignore_errors=True)
-        args = [*MODEL, "--train-iters", str(total), *configs(str(ckpt))[name]]
-        text, rss = run_sampled(args, work / f"{name}_{round_}.log")
+        args = [*model, "--train-iters", str(total), *configs(str(ckpt), with_pp2)[name]]
+        text, pss = run_sampled(args, work / f"{size}_{name}_{round_}.log")
         window = measured(iteration_times(text), total)
         med[name].append(statistics.median(window))
         mean[name].append(statistics.fmean(window))
-        peak[name].append(rss)
+        peak[name].append(pss)
         diffs = diff_times(text)
         if name.startswith("plus") and diffs:
             direct[name].append(statistics.median(measured(diffs, total)))
         print(
-            f"round {round_ + 1}/{repeats} {name:12s} median {med[name][-1] * 1000:8.1f} ms "
-            f"mean {mean[name][-1] * 1000:8.1f} ms peak RSS {rss / 2**20:7.0f} MiB",
+            f"{size} round {round_ + 1}/{repeats} {name:12s} median {med[name][-1] * 1000:8.1f} "
+            f"ms mean {mean[name][-1] * 1000:8.1f} ms peak PSS {pss / 2**20:7.0f} MiB",
             flush=True,
         )
         if round_ == 0 and name.startswith("plus"):
             extra[name] = {
-                **_trace_summary(ckpt),
+                **_traces(ckpt),
                 "diff_log_bytes_per_iteration_per_rank": sum(
                     folder_bytes(d) for d in (ckpt / "diffckpt").glob("rank_*")
                 )
@@ -173,6 +203,7 @@ def measure(work: Path, repeats: int, iters: int) -> dict:
         if round_ == 0 and name in ("stock_sync", "dcp_async", "plus_f1"):
             one = sorted(ckpt.glob("iter_*"))[-1]
             extra[name]["checkpoint_bytes_per_rank"] = folder_bytes(one) / NPROC
+        shutil.rmtree(ckpt, ignore_errors=True)
     rows = {}
     for name in names:
         reference = "none_pp2" if name.endswith("pp2") else "none"
@@ -189,27 +220,49 @@ def measure(work: Path, repeats: int, iters: int) -> dict:
             **(
                 {
                     "direct_s": statistics.median(direct[name]),
-                    "direct_share": (statistics.median(direct[name]) / ref_med),
+                    "direct_share": statistics.median(direct[name]) / ref_med,
                 }
                 if direct[name]
                 else {}
             ),
         }
-    plus = rows["plus"]["overhead"]
-    stock_best = min(rows[n]["overhead"] for n in ("stock_sync", "stock_async", "dcp_async"))
+    return {"rows": rows, "summary": _summary(rows, med), "params": _params(work, size)}
+
+
+def _summary(rows: dict, med: dict) -> dict:
+    plus, plus_mean = rows["plus"]["overhead"], rows["plus"]["overhead_mean"]
+    dcp = rows["dcp_async"]["overhead"]
+    cpu = rows["plus"].get("cpu", {}).get("per_iteration_s", {})
     summary = {
         "plus_overhead": plus,
-        "plus_overhead_mean": rows["plus"]["overhead_mean"],
+        "plus_overhead_mean": plus_mean,
+        "plus_nolog_overhead": rows["plus_nolog"]["overhead"],
+        "plus_nolog_overhead_mean": rows["plus_nolog"]["overhead_mean"],
         "plus_direct_share": rows["plus"].get("direct_share"),
-        "plus_f1_overhead": rows["plus_f1"]["overhead"],
-        "best_stock_overhead": stock_best,
-        "best_stock_over_plus": stock_best / max(plus, NOISE_FLOOR),
+        "dcp_async_overhead": dcp,
+        "dcp_async_over_plus": dcp / max(plus, NOISE_FLOOR),
+        "dcp_async_over_plus_mean": dcp / max(plus_mean, NOISE_FLOOR),
+        # A base every iteration: from the replica against a stock async save of the same state.
+        "base_every_iteration_plus": rows["plus_f1"]["overhead"],
+        "base_every_iteration_stock_async": rows["stock_async"]["overhead"],
+        "base_from_replica_at_most_stock_async": rows["plus_f1"]["iteration_s"]
+        <= rows["stock_async"]["iteration_s"],
+        "merge_step_over_training_step": cpu.get("merge step", 0.0)
+        / max(cpu.get("training optimizer step", 0.0), 1e-9),
         "none_run_spread": (max(med["none"]) - min(med["none"])) / statistics.median(med["none"]),
-        "plus_pp2_overhead": rows["plus_pp2"]["overhead"],
-        "plus_pp2_share_in_bubbles": rows["plus_pp2"].get("share_in_bubbles"),
         "ratios_floor_plus_overhead_at": NOISE_FLOOR,
     }
-    return {"rows": rows, "summary": summary}
+    if "plus_pp2" in rows:
+        summary["plus_pp2_overhead"] = rows["plus_pp2"]["overhead"]
+        summary["plus_pp2_share_in_bubbles"] = rows["plus_pp2"].get("share_in_bubbles")
+    return summary
+
+
+def _params(work: Path, size: str) -> int:
+    """The model's parameter count, as the first run's log says."""
+    text = next(work.glob(f"{size}_none_*.log")).read_text()
+    m = re.search(r"TP=1 PP=1 DP=\d+; (\d+) parameters", text)
+    return int(m.group(1)) if m else 0
 
 
 def plot(result: dict, path: Path) -> None:
@@ -218,64 +271,103 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    names = [n for n in rows if not n.endswith("pp2")] + ["none_pp2", "plus_pp2"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    colors = ["#888" if n.startswith("none") else "#2a7" if "plus" in n else "#c55" for n in names]
-    ax1.bar(names, [rows[n]["overhead"] * 100 for n in names], color=colors)
-    ax1.axhline(5, color="k", lw=0.8, ls="--")
-    ax1.set_ylabel("overhead vs no checkpoint (%, median iteration)")
-    ax1.set_title("checkpoint every iteration (recoverable state)")
-    ax1.tick_params(axis="x", rotation=35)
-    ax2.bar(names, [rows[n]["peak_host_memory_bytes"] / 2**30 for n in names], color=colors)
-    ax2.set_ylabel("peak host memory of the run (GiB)")
-    ax2.tick_params(axis="x", rotation=35)
-    fig.suptitle(
-        f"LowDiff+ on {result['machine']}; GPT {result['params_desc']}, 2 processes", fontsize=10
-    )
+    sizes = list(result["sizes"])
+    params = [result["sizes"][s]["params"] / 1e6 for s in sizes]
+    rows = {s: result["sizes"][s]["rows"] for s in sizes}
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    lines = [
+        ("plus", "LowDiff+ (diff log, base per 10)"),
+        ("plus_nolog", "LowDiff+ without diff log"),
+        ("plus_f1", "LowDiff+ base every iteration"),
+        ("stock_sync", "stock sync save"),
+        ("stock_async", "stock async save"),
+        ("dcp_async", "DCP async_save"),
+    ]
+    for key, ax, title in (
+        ("overhead", axes[0][0], "median iteration"),
+        ("overhead_mean", axes[0][1], "mean iteration (bases included)"),
+    ):
+        for name, label in lines:
+            ax.plot(params, [rows[s][name][key] * 100 for s in sizes], "o-", label=label)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (M)")
+        ax.set_ylabel("overhead vs no checkpoint (%)")
+        ax.set_title(f"a checkpoint every iteration: {title}")
+    axes[0][0].legend(fontsize=7)
+    ax = axes[1][0]
+    acts = sorted({a for s in sizes for a in rows[s]["plus"]["cpu"].get("per_iteration_s", {})})
+    width = 0.8 / max(1, len(acts))
+    for i, act in enumerate(acts):
+        ax.bar(
+            [j + i * width for j in range(len(sizes))],
+            [rows[s]["plus"]["cpu"]["per_iteration_s"].get(act, 0) * 1000 for s in sizes],
+            width,
+            label=act,
+        )
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))])
+    ax.set_xticklabels([f"{p:.1f}M" for p in params])
+    ax.set_ylabel("CPU ms per iteration (rank 0)")
+    ax.set_title("LowDiff+ work per iteration, beside the training optimizer's step")
+    ax.legend(fontsize=7)
+    ax = axes[1][1]
+    for name, label in (("none", "no checkpoint"), *lines):
+        ax.plot(
+            params,
+            [rows[s][name]["peak_host_memory_bytes"] / 2**30 for s in sizes],
+            "o-",
+            label=label,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (M)")
+    ax.set_ylabel("peak host memory of the run (GiB, summed PSS)")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"LowDiff+ as the model grows, {result['machine']}, 2 processes", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
-    parser.add_argument("--iters", type=int, default=20, help="measured iterations per run")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="model sizes, of " + str(SIZES))
+    parser.add_argument("--repeats", type=int, default=None, help="runs per configuration")
     parser.add_argument("--work", type=str, default=None, help="scratch folder (default: temp)")
+    parser.add_argument(
+        "--out", type=str, default=str(RESULTS / "lowdiff_plus_overhead"), help="results stem"
+    )
     args = parser.parse_args()
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown sizes {unknown}; known: {list(SIZES)}")
     work = Path(args.work or tempfile.mkdtemp(prefix="lowdiff_plus_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    measurements = measure(work, args.repeats, args.iters)
     result = {
-        "command": "python benchmarks/lowdiff_plus_overhead.py "
-        f"--repeats {args.repeats} --iters {args.iters}",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU"
-        if not _cuda()
-        else f"{platform.machine()}, GPU",
-        "params_desc": _model_description(work),
-        "model_args": MODEL,
+        "command": "python benchmarks/lowdiff_plus_overhead.py --sizes "
+        + args.sizes
+        + (f" --repeats {args.repeats}" if args.repeats else ""),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        + ("GPU" if _cuda() else "no GPU"),
         "plus_base_interval": PLUS_BASE_INTERVAL,
-        **measurements,
+        "sizes": {},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "lowdiff_plus_overhead.json"
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, RESULTS / "lowdiff_plus_overhead.png")
-    print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {out}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for i, size in enumerate(sizes):
+        started = time.perf_counter()
+        measured_size = measure(work, size, args.repeats, with_pp2=i == 0)
+        result["sizes"][size] = {
+            "model_args": SIZES[size][0],
+            "measured_iterations": SIZES[size][1],
+            "runs": args.repeats or SIZES[size][2],
+            "minutes": (time.perf_counter() - started) / 60,
+            **measured_size,
+        }
+        print(json.dumps({size: measured_size["summary"]}, indent=1), flush=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # after every size
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')}")
     return 0
-
-
-def _model_description(work: Path) -> str:
-    """The model as the first run's log describes it."""
-    text = (work / "none_0.log").read_text()
-    m = re.search(
-        r"GPT: (\d+) layers, hidden (\d+), \d+ heads, seq (\d+);.*?(\d+) parameters", text
-    )
-    if not m:
-        return "see model_args"
-    layers, hidden, seq, params = m.groups()
-    return f"{layers} layers, hidden {hidden}, seq {seq} ({int(params) / 1e6:.1f}M parameters)"
 
 
 def _cuda() -> bool:

@@ -1,6 +1,6 @@
 """megatron-diffckpt's background threads (diff writer, replica merger, base persister): their
-CPU priority, the worker thread the writer and the merger share, and the rule that processes a
-rank starts die with it.
+CPU priority, the worker thread the writer and the merger share, what they cost the cores
+(:class:`CpuMeter`), and the rule that processes a rank starts die with it.
 
 They run beside the training thread in the same process. On a GPU node the host cores are mostly
 idle and priority does not matter; on a busy host (CPU training, data loading on every core) the
@@ -18,7 +18,9 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 BACKGROUND_NICENESS = 10
@@ -33,6 +35,37 @@ def lower_priority(niceness: int = BACKGROUND_NICENESS) -> bool:
         return True
     except (AttributeError, OSError):
         return False
+
+
+class CpuMeter:
+    """CPU seconds that background work took, by activity ("snapshot copy", "merge step", ...).
+
+    Each activity is measured on the thread that does it, with that thread's CPU clock
+    (``time.thread_time``): what the work took from the cores, whatever the wall clock says while
+    it waits for a lock, a disk or a core the training thread holds. Any thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+
+    @contextmanager
+    def measure(self, activity: str) -> Iterator[None]:
+        """Add the calling thread's CPU time inside the block to ``activity``."""
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(activity, time.thread_time() - start)
+
+    def add(self, activity: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[activity] = self._seconds.get(activity, 0.0) + seconds
+
+    def totals(self) -> dict[str, float]:
+        """Seconds by activity, cumulative."""
+        with self._lock:
+            return dict(self._seconds)
 
 
 class BackgroundWorker:

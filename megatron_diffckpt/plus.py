@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from megatron_diffckpt import full_storage, recovery
-from megatron_diffckpt.background import lower_priority
+from megatron_diffckpt.background import CpuMeter, lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
 from megatron_diffckpt.patches import (
     base_checkpoint,
@@ -60,6 +60,19 @@ logger = logging.getLogger(__name__)
 
 def _pipeline_size(model_chunks: list[Any]) -> int:
     return int(getattr(model_chunks[0].config, "pipeline_model_parallel_size", 1) or 1)
+
+
+def _optimizer_bytes(optimizers: list[torch.optim.Optimizer | None]) -> int:
+    """Bytes of the parameters and tensor state of host ``optimizers``."""
+    total = 0
+    for opt in optimizers:
+        if opt is None:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                total += p.nbytes
+                total += sum(v.nbytes for v in opt.state.get(p, {}).values() if torch.is_tensor(v))
+    return total
 
 
 class LowDiffPlusStrategy(PerIterationStrategy):
@@ -110,10 +123,14 @@ class LowDiffPlusStrategy(PerIterationStrategy):
                     device = p.device.type
         self.device = device
         self.pipelined = _pipeline_size(model_chunks) > 1
+        self.cpu = CpuMeter()
+        """CPU seconds by activity: the background work (snapshot copy, merge step, diff log
+        record, base persist) and, to compare the merge step with, the training optimizer's
+        step on the training thread."""
         self.snapshotter = BucketSnapshotter(
-            shards, slots=slots, device=device, defer_to_bubbles=self.pipelined
+            shards, slots=slots, device=device, defer_to_bubbles=self.pipelined, cpu=self.cpu
         )
-        self.merger = ReplicaMerger(layout, self.snapshotter, writer)
+        self.merger = ReplicaMerger(layout, self.snapshotter, writer, cpu=self.cpu)
         self._first_param = {}
         for i, o in enumerate(self._torch_optimizers):
             params = [p for g in o.param_groups for p in g["params"]] if o is not None else []
@@ -128,11 +145,14 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._submitted = 0
         self._persist: tuple[int, Future, Callable[[], None]] | None = None
         self.base_stall_seconds = 0.0
+        self._bases = 0
+        self._first_iteration = 0
 
     def start(self, iteration: int) -> None:
         """Anchor the replica to the training state after ``iteration`` and hook megatron."""
         self.merger.anchor(self._torch_optimizers, iteration)
-        self._submitted = iteration
+        self._submitted = self._first_iteration = iteration
+        self._time_training_steps(True)
         bucket_snapshot.attach(self.model_chunks, self.optimizer, self.snapshotter)
         bucket_snapshot.add_clip_observer(self._on_clip)
         if self.pipelined:
@@ -199,22 +219,71 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.merger.wait_merged(iteration)  # the merger is idle: nothing after it was submitted
         if self.device != "cpu":
             self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
-        copies = self._snapshot_replica()
-        source = BaseSource(replica_view(self.optimizer, copies), self.model_params, True)
-        write, finalize = base_checkpoint.split_async_request(save(source))
+        with self.cpu.measure("base replica copy"):
+            copies = self._snapshot_replica()
+        with self.cpu.measure("base planning"):
+            source = BaseSource(replica_view(self.optimizer, copies), self.model_params, True)
+            write, finalize = base_checkpoint.split_async_request(save(source))
 
         def write_replica():
             lower_priority()
             began = time.perf_counter()
-            self.model_params.fill(copies)
-            write()
+            with self.cpu.measure("base gather"):
+                self.model_params.fill(copies)
+            with self.cpu.measure("base write"):
+                self.cpu.add("base write", write())  # + the file writers' threads
             return time.perf_counter() - began
 
         future = self._persister.submit(write_replica)
         self._persist = (iteration, future, finalize)
+        self._bases += 1
         blocked = time.perf_counter() - start
         self.base_stall_seconds += blocked
         return blocked
+
+    def _time_training_steps(self, on: bool) -> None:
+        """Measure the training optimizer's own step (the torch optimizer's ``step`` on this
+        rank's shard, the work the merger repeats) into ``"training optimizer step"``, by an
+        instance attribute that :meth:`close` removes."""
+        for opt in self._torch_optimizers:
+            if opt is None:
+                continue
+            if not on:
+                opt.__dict__.pop("step", None)
+                continue
+            original = opt.step
+
+            def step(*args, _original=original, **kwargs):
+                with self.cpu.measure("training optimizer step"):
+                    return _original(*args, **kwargs)
+
+            opt.step = step
+
+    def cpu_report(self) -> dict[str, Any]:
+        """What LowDiff+ took from the cores, in CPU seconds: per merged iteration by activity
+        (snapshot copy, merge step, diff log record and write) with the training optimizer's
+        own step to compare the merge step with; per base by step (on the training thread:
+        replica copy, planning; on the persister's: gather, write); and training's wall time
+        blocked per base."""
+        totals = self.cpu.totals()
+        if self.writer is not None:
+            totals["diff log write"] = self.writer.stats.cpu_seconds
+        iterations = max(1, self.merger.merged_iteration - self._first_iteration)
+        bases = max(1, self._bases)
+        per_base = {k[5:]: totals.pop(k) / bases for k in sorted(totals) if k.startswith("base ")}
+        return {
+            "iterations": iterations,
+            "bases": self._bases,
+            "per_iteration_s": {k: v / iterations for k, v in sorted(totals.items())},
+            "per_base_s": per_base,
+            "base_blocked_s": self.base_stall_seconds / bases,
+            "host_bytes": {
+                "replica": _optimizer_bytes(self.merger.optimizers),
+                "persist_copy": _optimizer_bytes(self._persist_copies or []),
+                "snapshot_slots": self.snapshotter.nbytes * self.snapshotter.slots,
+                "model_params": self.model_params.nbytes,
+            },
+        }
 
     def _snapshot_replica(self) -> list[torch.optim.Optimizer | None]:
         """Copy the (idle) replica into the persist buffers, created on first use."""
@@ -269,6 +338,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         traces = list(self.snapshotter.traces)
         data = {
             "summary": summarize_traces(traces),
+            "cpu": self.cpu_report(),
             "pipelined": self.pipelined,
             "iterations": [t.as_dict() for t in traces],
         }
@@ -282,6 +352,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.merger.wait_idle()
         self._poll_persist(block=True)
         optimizer_step.detach(self.optimizer)
+        self._time_training_steps(False)
         bucket_snapshot.remove_clip_observer(self._on_clip)
         bucket_snapshot.detach(self.model_chunks)
         pipeline_bubbles.deactivate()
@@ -304,4 +375,14 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             self.snapshotter.slot_wait_seconds,
             self.base_stall_seconds,
             100.0 * summary["share_in_bubbles"],
+        )
+        report = self.cpu_report()
+        logger.info(
+            "LowDiff+: CPU per iteration (ms): %s; per base (ms, %d bases): %s, training "
+            "blocked %.1f; host memory (MB): %s",
+            ", ".join(f"{k} {v * 1000:.1f}" for k, v in report["per_iteration_s"].items()),
+            report["bases"],
+            ", ".join(f"{k} {v * 1000:.1f}" for k, v in report["per_base_s"].items()),
+            report["base_blocked_s"] * 1000,
+            ", ".join(f"{k} {v / 1e6:.1f}" for k, v in report["host_bytes"].items()),
         )

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt.background import BackgroundWorker
+from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.writer import DiffLogWriter
@@ -150,6 +150,8 @@ class ReplicaMerger:
         layout: where each main parameter's gradient sits in the bucket shards.
         snapshotter: gives the slots back after merging (:meth:`BucketSnapshotter.release`).
         writer: when given, every merged step is also appended to the diff log (dense, exact).
+        cpu: where the merger thread's CPU time goes: ``"merge step"`` (the replica optimizer's
+            step and its input), ``"diff log record"`` (the record handed to ``writer``).
     """
 
     def __init__(
@@ -157,8 +159,10 @@ class ReplicaMerger:
         layout: ShardLayout,
         snapshotter: BucketSnapshotter,
         writer: DiffLogWriter | None = None,
+        cpu: CpuMeter | None = None,
     ):
         self.layout = layout
+        self.cpu = cpu if cpu is not None else CpuMeter()
         self.snapshotter = snapshotter
         self.writer = writer
         self.capture = GradShardCapture()
@@ -241,9 +245,10 @@ class ReplicaMerger:
                     raise RuntimeError(f"iteration {job.iteration} stepped without snapshots")
                 self._step(job)
             if self.writer is not None and job.rng is not None:
-                record = self.capture.build_record(
-                    job.iteration, job.scheduler_steps, job.consumed_samples, job.rng
-                )
+                with self.cpu.measure("diff log record"):
+                    record = self.capture.build_record(
+                        job.iteration, job.scheduler_steps, job.consumed_samples, job.rng
+                    )
                 self.writer.append(record)
         finally:
             if job.slot is not None:
@@ -254,26 +259,30 @@ class ReplicaMerger:
         for i, opt in enumerate(self.optimizers):
             if opt is None:
                 continue
-            coeff = job.inputs.clip_coeffs.get(i)
-            for g, group in enumerate(opt.param_groups):
-                group["lr"], group["weight_decay"] = job.inputs.groups[f"o{i}.g{g}"]
-                for k, p in enumerate(group["params"]):
-                    where = self.layout[i][g][k]
-                    if where.bucket not in job.slot.filled:
-                        raise RuntimeError(
-                            f"iteration {job.iteration}: bucket {where.bucket} was not "
-                            "snapshotted (its reduction never started)"
-                        )
-                    grad = buffers[where.bucket][where.start : where.end].view(p.shape).float()
-                    if coeff is not None:
-                        grad = grad * coeff  # megatron: grads.copy_(grads * clip_coeff)
-                    p.grad = grad
+            with self.cpu.measure("merge step"):
+                coeff = job.inputs.clip_coeffs.get(i)
+                for g, group in enumerate(opt.param_groups):
+                    group["lr"], group["weight_decay"] = job.inputs.groups[f"o{i}.g{g}"]
+                    for k, p in enumerate(group["params"]):
+                        where = self.layout[i][g][k]
+                        if where.bucket not in job.slot.filled:
+                            raise RuntimeError(
+                                f"iteration {job.iteration}: bucket {where.bucket} was not "
+                                "snapshotted (its reduction never started)"
+                            )
+                        grad = buffers[where.bucket][where.start : where.end].view(p.shape)
+                        grad = grad.float()
+                        if coeff is not None:
+                            grad = grad * coeff  # megatron: grads.copy_(grads * clip_coeff)
+                        p.grad = grad
             if self.writer is not None:
-                self.capture.on_ready_grads(i, opt)
-            opt.step()
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+                with self.cpu.measure("diff log record"):
+                    self.capture.on_ready_grads(i, opt)
+            with self.cpu.measure("merge step"):
+                opt.step()
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
 
 
 def host_group_like(group: Any) -> Any:

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt.background import CpuMeter
+
 logger = logging.getLogger(__name__)
 
 
@@ -118,6 +120,8 @@ class BucketSnapshotter:
         device: ``"cpu"`` or ``"cuda"``: where the gradients live.
         defer_to_bubbles: queue copies until the stage waits on a pipeline peer (PP > 1).
         trace_iterations: how many iterations of :class:`StageTrace` to keep.
+        cpu: where the copy thread's CPU time goes (activity ``"snapshot copy"``; CPU only: on
+            GPU the copies are the device's).
     """
 
     def __init__(
@@ -127,11 +131,13 @@ class BucketSnapshotter:
         device: str = "cpu",
         defer_to_bubbles: bool = False,
         trace_iterations: int = 64,
+        cpu: CpuMeter | None = None,
     ):
         if slots < 1:
             raise ValueError(f"need at least one snapshot slot, got {slots}")
         self.device = device
         self.defer_to_bubbles = defer_to_bubbles
+        self.cpu = cpu if cpu is not None else CpuMeter()
         pin = device == "cuda"
         self._slots = [
             SnapshotSlot(
@@ -328,7 +334,7 @@ class BucketSnapshotter:
         if job.handle is not None:
             job.handle.wait()
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), self.cpu.measure("snapshot copy"):
             dst.copy_(job.source.reshape(-1))
         with self._lock:
             trace.copies.append((start, time.perf_counter(), in_bubble))

@@ -1,10 +1,10 @@
 """Nothing outlives a killed rank, under plain torchrun too.
 
-A LowDiff+ job writes a base from its replica every iteration (megatron's writer forks worker
-processes, and starts a results manager by spawn), under plain ``torchrun`` (not the project's
-node launcher, which reaps orphans itself). The rank with ``RANK=1`` (found by its environment,
-not by its place in a process list) gets SIGKILL; torchrun stops the other rank and exits. Every
-process that ever ran below torchrun must be gone 10 s later. Real processes.
+A LowDiff+ job writes a base from its replica every iteration (megatron's checkpoint writer
+keeps a results manager, a process the rank forks at start-up), under plain ``torchrun`` (not
+the project's node launcher, which reaps orphans itself). The rank with ``RANK=1`` (found by its
+environment, not by its place in a process list) gets SIGKILL; torchrun stops the other rank and
+exits. Every process that ever ran below torchrun must be gone 10 s later. Real processes.
 """
 
 from __future__ import annotations

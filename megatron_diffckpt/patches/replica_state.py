@@ -100,6 +100,9 @@ class ReplicaModelParams:
                         (bucket_key(i, gbuf_idx, bucket_idx), bucket.grad_data.numel(), entries)
                     )
         self._layout = layout
+        self.nbytes = sum(host.nbytes for host in self.params.values())
+        """Host memory of the parameters (each base's gather allocates one bucket at a time on
+        top)."""
 
     def substitute(self, model_sharded_state_dict: dict) -> dict:
         """``model_sharded_state_dict`` with every parameter's data replaced by its host copy

@@ -50,6 +50,9 @@ class WriterStats:
     write_seconds: float = 0.0
     blocked_seconds: float = 0.0
     skipped_records: int = 0
+    cpu_seconds: float = 0.0
+    """CPU time of the writer thread (serialising, checksums, the kernel's copy into the page
+    cache, fsync), whatever the wall clock of its waits."""
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,13 @@ class DiffLogWriter:
         logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
 
     def _write(self, batch: list[DiffRecord]) -> None:
+        cpu = time.thread_time()
+        try:
+            self._write_segment(batch)
+        finally:
+            self.stats.cpu_seconds += time.thread_time() - cpu
+
+    def _write_segment(self, batch: list[DiffRecord]) -> None:
         start = time.perf_counter()
         first, last = batch[0].iteration, batch[-1].iteration
         header = SegmentHeader(self.identity, self.compressor, first, last, len(batch))
