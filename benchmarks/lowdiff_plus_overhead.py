@@ -32,7 +32,7 @@ background work by activity (snapshot copy, merge step, diff-log record and writ
 training optimizer's own step, the CPU seconds per base by step, and the host memory LowDiff+
 holds (replica, persist copy, snapshot slots, host model parameters). Host memory of a run: the
 peak of the summed proportional set sizes (PSS: pages shared between processes, e.g. after a
-fork, counted once) of all its processes, sampled every 200 ms. Bytes per iteration: the diff
+fork, counted once) of all its processes, sampled every second. Bytes per iteration: the diff
 log's per rank, a checkpoint's per rank.
 
 Results go to ``benchmarks/results/lowdiff_plus_overhead.json`` and ``.png``.
@@ -140,7 +140,7 @@ def run_sampled(args: list[str], log: Path) -> tuple[str, float]:
                 peak = max(peak, total)
             except psutil.Error:
                 pass
-            time.sleep(0.2)
+            time.sleep(1.0)  # reading smaps costs about 10 ms per process: sample sparsely
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
