@@ -37,6 +37,12 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from megatron_diffckpt.scale_plan import (
+    LOWDIFF_PLUS_BASES,
+    LOWDIFF_PLUS_LOG,
+    lowdiff_plus_choice,
+    lowdiff_plus_plans,
+)
 from megatron_diffckpt.tuning import CostInputs, Plan, optimize
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,11 @@ class TunerSettings:
     max_pending: int
     window: int = 50
     max_interval: int = 100_000
+    plus: bool = False
+    """LowDiff+: also choose between the dense diff log and bases only
+    (:func:`~megatron_diffckpt.scale_plan.lowdiff_plus_choice`): the log goes only when storage
+    cannot take it every iteration and bases only is then cheaper. One way: once off, it stays
+    off for the run."""
 
 
 class OnlineTuner:
@@ -73,6 +84,8 @@ class OnlineTuner:
         self.replay_s: float | None = None
         self.restart_s: float = 0.0
         self.last_plan: Plan | None = None
+        self.diff_log = True
+        """Whether differentials are written (LowDiff+ may turn the log off)."""
 
     # -- measurements ------------------------------------------------------------------------
 
@@ -124,24 +137,45 @@ class OnlineTuner:
             base_stall_s=med(self._base_stall_s) if self._base_stall_s else 0.0,
             base_persist_s=persist,
             base_load_s=self.base_load_s if self.base_load_s is not None else persist,
-            replay_s=self.replay_s if self.replay_s is not None else med(self._step_s),
+            replay_s=self.replay_s if self.replay_s is not None else self._replay_estimate(),
             restart_s=self.restart_s,
             mtbf_s=self.settings.mtbf_s,
             host_memory_budget=self.settings.host_memory_budget,
             max_pending=self.settings.max_pending,
         )
 
-    def propose(self, iteration: int) -> tuple[int, int]:
-        """The (F, B) the recent measurements call for (the current ones until enough exist).
-        Logs the decision and the numbers behind it."""
+    def _replay_estimate(self) -> float:
+        """One replayed differential before a recovery measured it: an optimizer step, and for
+        LowDiff+ also reading the dense differential back (at the measured write bandwidth)."""
+        step = statistics.median(self._step_s)
+        if not self.settings.plus or not self._write_bytes_s:
+            return step
+        nbytes = sum(b for b, _ in self._write_bytes_s)
+        seconds = sum(s for _, s in self._write_bytes_s)
+        return step + statistics.median(self._diff_bytes) * seconds / max(nbytes, 1.0)
+
+    def propose(self, iteration: int) -> tuple[int, int, int]:
+        """The (F, B, diff log on) the recent measurements call for (the current ones until
+        enough exist). Logs the decision and the numbers behind it."""
         inputs = self.inputs()
         if inputs is None:
-            return self.full_interval, self.batch_size
-        plan = optimize(inputs, max_interval=self.settings.max_interval)
+            return self.full_interval, self.batch_size, int(self.diff_log)
+        keep, choice = True, ""
+        if self.settings.plus:
+            plans = lowdiff_plus_plans(inputs, max_interval=self.settings.max_interval)
+            keep = self.diff_log and lowdiff_plus_choice(inputs, plans) == LOWDIFF_PLUS_LOG
+            plan = plans[LOWDIFF_PLUS_LOG if keep else LOWDIFF_PLUS_BASES]
+            choice = (
+                f"; LowDiff+ {'with the diff log' if keep else 'bases only'} (predicted overhead "
+                f"with the log {100 * plans[LOWDIFF_PLUS_LOG].overhead:.2f}%, bases only "
+                f"{100 * plans[LOWDIFF_PLUS_BASES].overhead:.2f}%)"
+            )
+        else:
+            plan = optimize(inputs, max_interval=self.settings.max_interval)
         self.last_plan = plan
         logger.info(
             "auto-tune at iteration %d: proposes F %d -> %d, B %d -> %d (predicted overhead "
-            "%.2f%%, %.3f s per useful iteration) from: iteration %.3f s, diff %.4f s and "
+            "%.2f%%, %.3f s per useful iteration%s) from: iteration %.3f s, diff %.4f s and "
             "%.0f bytes, write %.3g B/s + %.4f s, base stall %.3f s, persist %.2f s, load "
             "%.2f s, replay %.4f s, restart %.1f s, MTBF %.2f h",
             iteration,
@@ -151,6 +185,7 @@ class OnlineTuner:
             plan.batch_size,
             100 * plan.overhead,
             plan.wall_per_iteration_s,
+            choice,
             inputs.iteration_s,
             inputs.diff_s,
             inputs.diff_bytes,
@@ -163,8 +198,9 @@ class OnlineTuner:
             inputs.restart_s,
             inputs.mtbf_s / 3600,
         )
-        return plan.full_interval, plan.batch_size
+        return plan.full_interval, plan.batch_size, int(keep)
 
-    def apply(self, full_interval: int, batch_size: int) -> None:
-        """Adopt the (F, B) every rank agreed on."""
+    def apply(self, full_interval: int, batch_size: int, diff_log: bool = True) -> None:
+        """Adopt the (F, B, diff log on) every rank agreed on."""
         self.full_interval, self.batch_size = full_interval, batch_size
+        self.diff_log = self.diff_log and diff_log

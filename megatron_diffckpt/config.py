@@ -63,7 +63,9 @@ class DiffCkptConfig:
 
     auto_tune: bool = False
     """Re-derive the base interval F and the write batch B from measured costs while training
-    (megatron_diffckpt.tuning); each decision is logged with the numbers behind it."""
+    (megatron_diffckpt.tuning); each decision is logged with the numbers behind it. LowDiff+:
+    also turns the diff log off when storage cannot take it every iteration and bases only is
+    cheaper."""
 
     mtbf_hours: float = 24.0
     """Mean time between failures of the whole job, in hours (the auto-tuner's failure rate)."""
@@ -103,8 +105,12 @@ class DiffCkptConfig:
                 "--diffckpt-mode lowdiff-plus is for training without gradient compression; "
                 "use --diffckpt-mode lowdiff with --diffckpt-compressor topk"
             )
-        if self.mode == "lowdiff-plus" and self.auto_tune:
-            raise DiffCkptUsageError("--diffckpt-auto-tune applies to --diffckpt-mode lowdiff only")
+        if self.mode == "lowdiff-plus" and self.auto_tune and self.plus_no_diff_log:
+            raise DiffCkptUsageError(
+                "--diffckpt-auto-tune measures the diff log to choose between it and bases "
+                "only; drop --diffckpt-plus-no-diff-log (or --diffckpt-auto-tune and set "
+                "--diffckpt-full-interval yourself)"
+            )
         if not 0.0 < self.topk_ratio <= 1.0:
             raise DiffCkptUsageError(
                 f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}"

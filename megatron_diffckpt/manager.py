@@ -65,6 +65,12 @@ from megatron_diffckpt.strategy import PerIterationStrategy, SaveBase
 
 logger = logging.getLogger(__name__)
 
+PLUS_SLOW_HINT = (
+    "LowDiff+ writes the dense gradient shard every iteration: run with "
+    "--diffckpt-plus-no-diff-log (bases only, as often as storage writes them) or let "
+    "--diffckpt-auto-tune choose from the measured costs"
+)
+
 # The auto-tuner's newest agreed (F, B): a restarted job resumes with it instead of relearning.
 AUTOTUNE_FILE = "autotune.json"
 
@@ -303,7 +309,7 @@ class DiffCheckpointManager:
             # be replayed into this one.
             scan = scan_rank_log(self.rank_dir, self.identity, iteration)
             recovery.truncate_log(self.rank_dir, scan, iteration)
-        batch_size = self.config.batch_size
+        batch_size, diff_log = self.config.batch_size, True
         if self.config.auto_tune:
             decided = os.path.join(self.dir, AUTOTUNE_FILE)
             if os.path.exists(decided):
@@ -311,23 +317,28 @@ class DiffCheckpointManager:
                     state = json.load(f)
                 full_interval, batch_size = state["full_interval"], state["batch_size"]
                 self.full_interval = full_interval
+                diff_log = state.get("diff_log", True)
                 logger.info(
-                    "auto-tune: resuming with F %d, B %d (decided at iteration %d)",
+                    "auto-tune: resuming with F %d, B %d%s (decided at iteration %d)",
                     full_interval,
                     batch_size,
+                    "" if diff_log else ", LowDiff+ bases only",
                     state["iteration"],
                 )
             settings = TunerSettings(
                 mtbf_s=self.config.mtbf_hours * 3600.0,
                 host_memory_budget=self.config.host_memory_budget * 2.0**20,
                 max_pending=self.config.max_pending,
+                plus=self.config.mode == "lowdiff-plus",
             )
             self.tuner = OnlineTuner(settings, full_interval, batch_size)
+            self.tuner.apply(full_interval, batch_size, diff_log)
             if self._recovery is not None:
                 self.tuner.observe_recovery(*self._recovery)
             else:
                 self.tuner.observe_start(_seconds_since_process_start())
-        if not (self.config.mode == "lowdiff-plus" and self.config.plus_no_diff_log):
+        plus = self.config.mode == "lowdiff-plus"
+        if not (plus and (self.config.plus_no_diff_log or not diff_log)):
             self.writer = DiffLogWriter(
                 self.dir,
                 self.identity,
@@ -336,6 +347,7 @@ class DiffCheckpointManager:
                 max_pending=self.config.max_pending,
                 when_full=self.config.when_full,
                 chain_start=iteration,
+                **({"slow_hint": PLUS_SLOW_HINT} if plus else {}),
             )
         if self.writer is None:  # bases only: durability starts at the state we start from
             self._published_bases.append(iteration)
@@ -371,7 +383,7 @@ class DiffCheckpointManager:
         self.last_diff_seconds = cost.path_s
         if self.tuner is None:
             return
-        for sample in self.writer.take_samples():
+        for sample in self.writer.take_samples() if self.writer is not None else ():
             self.tuner.observe_write(sample.records, sample.nbytes, sample.write_s, sample.sync_s)
         if train_seconds is not None:
             self.tuner.observe_iteration(
@@ -382,23 +394,42 @@ class DiffCheckpointManager:
 
     def _retune(self, iteration: int) -> None:
         """Agree on the ranks' proposals (MIN of F and of B) and adopt them. All ranks."""
-        full_interval, batch_size = recovery.all_reduce_min(list(self.tuner.propose(iteration)))
-        if (full_interval, batch_size) != (self.full_interval, self.writer.batch_size):
+        proposed = recovery.all_reduce_min(list(self.tuner.propose(iteration)))
+        full_interval, batch_size, diff_log = proposed
+        diff_log = bool(diff_log) and self.tuner.diff_log
+        current_b = self.writer.batch_size if self.writer is not None else batch_size
+        if (full_interval, batch_size, diff_log) != (
+            self.full_interval,
+            current_b,
+            self.tuner.diff_log,
+        ):
             logger.info(
-                "auto-tune at iteration %d: F %d -> %d, B %d -> %d (agreed by all ranks)",
+                "auto-tune at iteration %d: F %d -> %d, B %d -> %d%s (agreed by all ranks)",
                 iteration,
                 self.full_interval,
                 full_interval,
-                self.writer.batch_size,
+                current_b,
                 batch_size,
+                "" if diff_log else ", diff log off (LowDiff+ bases only)",
             )
             if torch.distributed.get_rank() == 0:
                 state = {"full_interval": full_interval, "batch_size": batch_size}
+                state["diff_log"] = diff_log
                 data = json.dumps({**state, "iteration": iteration}).encode()
                 publish_file(os.path.join(self.dir, AUTOTUNE_FILE), lambda f: f.write(data))
-        self.tuner.apply(full_interval, batch_size)
+        if not diff_log and self.tuner.diff_log:
+            logger.warning(
+                "auto-tune at iteration %d: LowDiff+ stops writing the diff log (storage cannot "
+                "take a dense differential every iteration, and bases only is cheaper): a "
+                "recoverable state at every base from now on, every %d iterations",
+                iteration,
+                full_interval,
+            )
+            self.strategy.stop_diff_log()
+        self.tuner.apply(full_interval, batch_size, diff_log)
         self.full_interval = full_interval
-        self.writer.batch_size = batch_size  # segments may have any length: safe at any point
+        if self.writer is not None:
+            self.writer.batch_size = batch_size  # segments may have any length: safe anytime
 
     def base_due(self, iteration: int) -> bool:
         """Whether ``iteration`` ends with a base. Any rank (all agree).

@@ -147,6 +147,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.base_stall_seconds = 0.0
         self._bases = 0
         self._first_iteration = 0
+        self._logging = writer is not None
+        self._step_seconds = 0.0  # the training optimizer's last step (the tuner's replay)
 
     def start(self, iteration: int) -> None:
         """Anchor the replica to the training state after ``iteration`` and hook megatron."""
@@ -195,11 +197,17 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         start = time.perf_counter()
         slot = self.snapshotter.finish_iteration(iteration)
         inputs, self._inputs = self._inputs, StepInputs()
-        rng = capture_rng(self.rng_tracker) if self.writer is not None else None
+        rng = capture_rng(self.rng_tracker) if self._logging else None
         self.merger.submit(MergeJob(iteration, slot, inputs, scheduler_steps, consumed, rng))
         self._submitted = iteration
         self._poll_persist(block=False)
-        return IterationCost(self.snapshotter.iteration_path_seconds + time.perf_counter() - start)
+        path = self.snapshotter.iteration_path_seconds + time.perf_counter() - start
+        return IterationCost(path, since_step_s=self._step_seconds)
+
+    def stop_diff_log(self) -> None:
+        """Write no more differentials (the iterations handed over so far still are): from now
+        on only bases make iterations recoverable. The training thread; one way."""
+        self._logging = False
 
     def save_base(self, iteration: int, save: SaveBase) -> float:
         """Write the replica at ``iteration`` as a base; returns the seconds training waited.
@@ -254,8 +262,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             original = opt.step
 
             def step(*args, _original=original, **kwargs):
+                began = time.perf_counter()
                 with self.cpu.measure("training optimizer step"):
-                    return _original(*args, **kwargs)
+                    result = _original(*args, **kwargs)
+                self._step_seconds = time.perf_counter() - began
+                return result
 
             opt.step = step
 

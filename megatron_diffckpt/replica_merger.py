@@ -79,7 +79,8 @@ class MergeJob:
     scheduler_steps: int
     consumed_samples: int
     rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
-    """RNG states at the end of the iteration; ``None`` when no differential is logged."""
+    """RNG states at the end of the iteration; ``None`` when this iteration's differential is not
+    logged (no diff log, or LowDiff+ stopped it)."""
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -244,7 +245,7 @@ class ReplicaMerger:
                 if job.slot is None:
                     raise RuntimeError(f"iteration {job.iteration} stepped without snapshots")
                 self._step(job)
-            if self.writer is not None and job.rng is not None:
+            if self._logs(job):
                 with self.cpu.measure("diff log record"):
                     record = self.capture.build_record(
                         job.iteration, job.scheduler_steps, job.consumed_samples, job.rng
@@ -253,6 +254,10 @@ class ReplicaMerger:
         finally:
             if job.slot is not None:
                 self.snapshotter.release(job.slot)
+
+    def _logs(self, job: MergeJob) -> bool:
+        """Whether ``job`` goes to the diff log (a job without RNG states does not)."""
+        return self.writer is not None and job.rng is not None
 
     def _step(self, job: MergeJob) -> None:
         buffers = job.slot.buffers
@@ -275,7 +280,7 @@ class ReplicaMerger:
                         if coeff is not None:
                             grad = grad * coeff  # megatron: grads.copy_(grads * clip_coeff)
                         p.grad = grad
-            if self.writer is not None:
+            if self._logs(job):
                 with self.cpu.measure("diff log record"):
                     self.capture.on_ready_grads(i, opt)
             with self.cpu.measure("merge step"):

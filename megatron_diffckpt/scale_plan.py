@@ -10,8 +10,13 @@ each at its own best setting:
   Bases are async stock checkpoints (the stall is the staging copy of the shard).
 - **LowDiff+**: no compression; reduced gradient buckets are copied to host memory during the
   backward pass (overlapped: no stall) and merged into a host replica, which is persisted as the
-  base with no device stall. Dense differentials (4 bytes per shard parameter) are written between
-  bases.
+  base with no device stall. Two ways, each at its own best setting: **with the diff log**, dense
+  differentials (4 bytes per shard parameter, every iteration) are written between bases; **bases
+  only** (``--diffckpt-plus-no-diff-log``), nothing between bases, and after a failure the
+  iterations since the newest base are recomputed, with bases as frequent as storage writes
+  them. The log's bytes grow with the shard (7B parameters at DP=8: 3.5 GB per rank and
+  iteration), so where storage cannot take them every iteration, bases only wins.
+  :func:`lowdiff_plus_choice` says which.
 - **full checkpointing**: stock async saves only; after a failure the iterations since the newest
   checkpoint are recomputed.
 
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_diffckpt.tuning import CostInputs, Plan, full_checkpointing, optimize
+from megatron_diffckpt.tuning import CostInputs, Plan, full_checkpointing, optimize, step_s
 
 # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs.
 GPU_HOURS_PER_FAILURE = 54 * 24 * 16384 / 419
@@ -133,11 +138,36 @@ def full_inputs(job: JobSpec) -> CostInputs:
     return _inputs(job, diff_bytes=0.0, base_stall=True)
 
 
+LOWDIFF_PLUS_LOG = "LowDiff+ (diff log)"
+LOWDIFF_PLUS_BASES = "LowDiff+ (bases only)"
+
+
+def lowdiff_plus_plans(c: CostInputs, max_interval: int = 1_000_000) -> dict[str, Plan]:
+    """LowDiff+ with the diff log and with bases only, each at its own best setting, from the
+    same measured (or modelled) costs ``c``: its ``diff_bytes`` are the log's bytes per rank and
+    iteration, its bases cost ``base_stall_s`` and ``base_persist_s`` either way."""
+    return {
+        LOWDIFF_PLUS_LOG: optimize(c, max_interval=max_interval),
+        LOWDIFF_PLUS_BASES: full_checkpointing(c, max_interval=max_interval),
+    }
+
+
+def lowdiff_plus_choice(c: CostInputs, plans: dict[str, Plan]) -> str:
+    """Which of :func:`lowdiff_plus_plans` (from ``c``) to run: the diff log (every iteration
+    durable, what LowDiff+ is for) unless storage cannot take it, i.e. training would wait for
+    the writer at the log's best B, and bases only is then the cheaper plan."""
+    log, bases = plans[LOWDIFF_PLUS_LOG], plans[LOWDIFF_PLUS_BASES]
+    behind = step_s(c, log.batch_size) > (c.iteration_s + c.diff_s) * (1 + 1e-9)
+    if behind and bases.wall_per_iteration_s < log.wall_per_iteration_s:
+        return LOWDIFF_PLUS_BASES
+    return LOWDIFF_PLUS_LOG
+
+
 def compare(job: JobSpec) -> dict[str, Plan]:
     """Each strategy at its own best (F, B)."""
     return {
         "LowDiff": optimize(lowdiff_inputs(job)),
-        "LowDiff+": optimize(lowdiff_plus_inputs(job)),
+        **lowdiff_plus_plans(lowdiff_plus_inputs(job)),
         "full checkpointing": full_checkpointing(full_inputs(job)),
     }
 

@@ -66,7 +66,8 @@ class IterationCost:
     inside_step_s: float = 0.0
     """The part spent inside the optimizer step (already counted in the step's time)."""
     since_step_s: float = 0.0
-    """From the optimizer step's start to the end of the iteration (the auto-tuner's input)."""
+    """From the optimizer step's start to the end of the iteration (LowDiff+: the optimizer
+    step itself); the auto-tuner's estimate of one replay."""
 
 
 class PerIterationStrategy(ABC):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
-from launch import TINY_GPT, run_gpt
+from launch import TINY_GPT, recovered_iteration, run_gpt
 
 from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
 from megatron_diffckpt.tuning import CostInputs, optimize
@@ -47,13 +48,13 @@ def test_recovery_measurements_replace_the_estimates():
 def test_proposal_is_the_cost_models_optimum():
     tuner = _fed_tuner()
     expected = optimize(tuner.inputs())
-    assert tuner.propose(50) == (expected.full_interval, expected.batch_size)
+    assert tuner.propose(50) == (expected.full_interval, expected.batch_size, 1)
     assert tuner.last_plan == expected
 
 
 def test_no_proposal_without_measurements():
     tuner = OnlineTuner(SETTINGS, full_interval=100, batch_size=4)
-    assert tuner.propose(50) == (100, 4)
+    assert tuner.propose(50) == (100, 4, 1)
     assert tuner.inputs() is None
     for _ in range(10):  # iterations and writes, but no base yet: its cost is not assumed
         tuner.observe_iteration(1.0, 0.02, 0.05)
@@ -69,10 +70,35 @@ def test_a_slow_writer_gets_bigger_batches():
         tuner.observe_iteration(1.0, 0.02, 0.05)
         tuner.observe_write(records=1, nbytes=1_000_000, write_s=0.01, sync_s=3.0)
     tuner.observe_base(stall_s=5.0, persist_s=20.0)
-    _, batch = tuner.propose(10)
+    _, batch, _ = tuner.propose(10)
     inputs: CostInputs = tuner.inputs()
     assert batch > 1
     assert (inputs.write_latency_s + batch * 0.01) / batch <= inputs.iteration_s + 0.02
+
+
+def _plus_tuner(write_s: float) -> OnlineTuner:
+    """LowDiff+ at 7B parameters on DP=8: a 3.5 GB dense differential per rank, 2 s iterations,
+    a base from the replica that stalls nothing and persists in 10 s."""
+    settings = TunerSettings(mtbf_s=6.3e3 * 3600, host_memory_budget=16e9, max_pending=2)
+    tuner = OnlineTuner(replace(settings, plus=True), full_interval=100, batch_size=1)
+    for _ in range(10):
+        tuner.observe_iteration(2.0, 0.001, 0.05)
+        tuner.observe_write(records=1, nbytes=3_500_000_000, write_s=write_s, sync_s=0.05)
+    tuner.observe_base(stall_s=0.0, persist_s=10.0)
+    return tuner
+
+
+def test_lowdiff_plus_turns_the_diff_log_off_only_where_storage_cannot_take_it():
+    fast = _plus_tuner(write_s=0.5)  # 7 GB/s: the log keeps up
+    assert fast.propose(50)[2] == 1
+    slow = _plus_tuner(write_s=2.8)  # 1.25 GB/s: 2.85 s to write what 2 s of training make
+    full_interval, _, diff_log = slow.propose(50)
+    assert diff_log == 0 and full_interval == 5  # bases as often as they persist (10 s / 2 s)
+    # Replay is an optimizer step plus reading the differential back.
+    assert slow.inputs().replay_s == pytest.approx(0.05 + 2.8)
+    slow.apply(full_interval, 1, diff_log=False)
+    fast.apply(10, 1, diff_log=False)  # once off, off for the run, whatever it measures
+    assert not fast.diff_log and fast.propose(60)[2] == 0
 
 
 @pytest.mark.distributed
@@ -125,3 +151,25 @@ def test_training_follows_the_agreed_decisions(tmp_path):
     assert f"auto-tune: resuming with F {state['full_interval']}, B {state['batch_size']}" in (
         resumed.stdout + resumed.stderr
     )
+
+
+@pytest.mark.distributed
+def test_lowdiff_plus_auto_tune_keeps_a_log_that_keeps_up(tmp_path):
+    """A real LowDiff+ run with the tuner: its decisions weigh the diff log against bases only,
+    keep the log (the tiny model's differentials are small for the local disk), and a restart
+    recovers the last iteration from it."""
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100",
+              "--save", str(ckpt), "--save-interval", "3", "--diffckpt-mode", "lowdiff-plus",
+              "--diffckpt-auto-tune", "--diffckpt-retune-interval", "4"]  # fmt: skip
+    proc = run_gpt(2, *common, "--train-iters", "12")
+    log = proc.stdout + proc.stderr
+    assert re.search(
+        r"auto-tune at iteration 4: proposes F 3 -> \d+, B 1 -> \d+ \(predicted overhead .*; "
+        r"LowDiff\+ with the diff log \(predicted overhead with the log [\d.]+%, bases only "
+        r"[\d.]+%\)\) from:",
+        log,
+    ), log[-3000:]
+    assert "stops writing the diff log" not in log
+    resumed = run_gpt(2, *common, "--train-iters", "13", "--load", str(ckpt))
+    assert recovered_iteration(resumed) == 12

@@ -8,6 +8,7 @@ from dataclasses import fields
 import pytest
 
 from megatron_diffckpt.config import DiffCkptConfig
+from megatron_diffckpt.errors import DiffCkptUsageError
 
 
 def _parse(*argv: str) -> DiffCkptConfig:
@@ -75,3 +76,9 @@ def test_choices_are_enforced_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         _parse("--diffckpt-mode", "sometimes")
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_lowdiff_plus_auto_tune_needs_the_diff_log_it_measures():
+    DiffCkptConfig(mode="lowdiff-plus", auto_tune=True)  # chooses between the log and bases
+    with pytest.raises(DiffCkptUsageError, match="measures the diff log"):
+        DiffCkptConfig(mode="lowdiff-plus", auto_tune=True, plus_no_diff_log=True)

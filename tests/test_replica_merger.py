@@ -7,6 +7,8 @@ import torch
 
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, ReplicaMerger, StepInputs
 from megatron_diffckpt.snapshot import BucketSnapshotter
+from megatron_diffckpt.storage.format import SegmentIdentity
+from megatron_diffckpt.storage.writer import DiffLogWriter
 
 SHARDS = {"b0": (10, torch.float32), "b1": (6, torch.float32)}
 # layout[inner][group][index]: three main parameters, two in bucket b0 (with a gap), one in b1.
@@ -119,3 +121,32 @@ def test_a_missing_bucket_fails_loudly_on_the_training_thread(merger_of):
     assert "bucket b1 was not snapshotted" in str(info.value.__cause__)
     with pytest.raises(RuntimeError, match="merger failed"):
         merger.submit(MergeJob(2, None, StepInputs(), 2, 0, None))
+
+
+def test_jobs_without_rng_states_are_merged_but_not_logged(tmp_path):
+    """LowDiff+ turns its diff log off by handing jobs over without RNG states: the replica
+    goes on merging, the log keeps what came before."""
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=2)
+    writer = DiffLogWriter(str(tmp_path), SegmentIdentity("run", 0, 0, 0, "l"), "none", 1)
+    merger = ReplicaMerger(LAYOUT, snap, writer)
+    merger.anchor([training], iteration=0)
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for it in range(1, 7):
+            buckets = {k: torch.randn(n, generator=gen) for k, (n, _) in SHARDS.items()}
+            inputs = StepInputs(groups={"o0.g0": [1e-2, 0.1], "o0.g1": [1e-2, 0.0]})
+            for key, value in buckets.items():
+                snap.on_bucket_ready(key, value, None)
+            rng = ({}, {}) if it <= 3 else None  # the log stops after iteration 3
+            merger.submit(MergeJob(it, snap.finish_iteration(it), inputs, it, 0, rng))
+            _train_step(training, buckets, inputs)
+        merger.wait_merged(6)
+        assert writer.flush() == 3 and writer.stats.records == 3
+        replica = merger.optimizers[0].param_groups[0]["params"]
+        for p_t, p_r in zip(training.param_groups[0]["params"], replica, strict=True):
+            assert torch.equal(p_t, p_r)
+    finally:
+        merger.close()
+        snap.close()
+        writer.close()

@@ -9,10 +9,20 @@ setting of a brute-force grid, across failure rates and cost profiles.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from failure_sim import mean_wall_per_iteration
 
+from megatron_diffckpt.scale_plan import (
+    LOWDIFF_PLUS_BASES,
+    LOWDIFF_PLUS_LOG,
+    JobSpec,
+    compare,
+    lowdiff_plus_choice,
+    lowdiff_plus_inputs,
+    lowdiff_plus_plans,
+)
 from megatron_diffckpt.tuning import (
     CostInputs,
     full_checkpointing,
@@ -152,3 +162,27 @@ def test_more_failures_mean_shorter_intervals_and_more_overhead():
 def test_bad_inputs_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         CostInputs(**{**BASE, field: value})
+
+
+def test_lowdiff_plus_keeps_the_diff_log_only_where_storage_takes_it():
+    # 7B parameters at DP=8 (TP=PP=1): a dense differential is 3.5 GB per rank and iteration.
+    job = dict(params=7e9, gpus=8, tensor_parallel=1, pipeline_parallel=1, iteration_s=2.0)
+    slow = compare(JobSpec(**job, storage_bandwidth=10e9))  # 1.25 GB/s per rank: 2.8 s a diff
+    fast = compare(JobSpec(**job, storage_bandwidth=500e9))  # 62.5 GB/s per rank: 56 ms a diff
+    log, bases = slow[LOWDIFF_PLUS_LOG], slow[LOWDIFF_PLUS_BASES]
+    assert log.step_s > 2.0 * 1.3  # training waits for the writer
+    assert bases.overhead < 0.01 < log.overhead
+    slow_inputs = lowdiff_plus_inputs(JobSpec(**job, storage_bandwidth=10e9))
+    fast_inputs = lowdiff_plus_inputs(JobSpec(**job, storage_bandwidth=500e9))
+    assert lowdiff_plus_choice(slow_inputs, slow) == LOWDIFF_PLUS_BASES
+    assert lowdiff_plus_choice(fast_inputs, fast) == LOWDIFF_PLUS_LOG
+    # A log that keeps up stays even where the model finds bases only a hair cheaper (rare
+    # failures: recomputing F/2 iterations once in a long while costs less than any log).
+    rare = replace(fast_inputs, mtbf_s=1e12, diff_s=0.01)
+    plans = lowdiff_plus_plans(rare)
+    assert plans[LOWDIFF_PLUS_BASES].wall_per_iteration_s < (
+        plans[LOWDIFF_PLUS_LOG].wall_per_iteration_s
+    )
+    assert lowdiff_plus_choice(rare, plans) == LOWDIFF_PLUS_LOG
+    # Bases only: as often as storage writes them (14 bytes per parameter at 10 GB/s: 9.8 s).
+    assert bases.full_interval == math.ceil(7e9 * 14 / 10e9 / 2.0)

@@ -94,7 +94,12 @@ class DiffLogWriter:
             a full disk stops training with :class:`StorageFullError`) or ``"skip"`` (drop the
             batch with one warning per incident, go on; durability waits for the next base).
         chain_start: the iteration of the base the first record follows.
+        slow_hint: what to do when storage cannot keep up, for the warning that says so (once
+            per writer, the first time training waits for it).
     """
+
+    SLOW_AFTER_S = 0.01
+    """A hand-over that waits this long means the writer is behind: the warning is due."""
 
     def __init__(
         self,
@@ -105,6 +110,7 @@ class DiffLogWriter:
         max_pending: int = 2,
         when_full: str = "block",
         chain_start: int = 0,
+        slow_hint: str = "a larger --diffckpt-batch-size spreads each write's fixed cost",
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -116,6 +122,8 @@ class DiffLogWriter:
         self.compressor = compressor
         self.batch_size = batch_size
         self.when_full = when_full
+        self.slow_hint = slow_hint
+        self._slow_warned = False
         self.dir = os.path.join(root, identity.dirname())
         os.makedirs(self.dir, exist_ok=True)
         self._token = uuid.uuid4().hex
@@ -224,7 +232,29 @@ class DiffLogWriter:
             return
         start = time.perf_counter()
         self._worker.put(batch)
-        self.stats.blocked_seconds += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.stats.blocked_seconds += waited
+        if waited >= self.SLOW_AFTER_S and not self._slow_warned and not force_block:
+            self._slow_warned = True
+            self._warn_slow(waited, len(batch))
+
+    def _warn_slow(self, waited: float, records: int) -> None:
+        """Once: training waited for the writer (storage slower than the log's bytes)."""
+        stats = self.stats
+        per_record = stats.bytes_written / stats.records if stats.records else 0.0
+        rate = stats.bytes_written / stats.write_seconds if stats.write_seconds else 0.0
+        logger.warning(
+            "diff log %s cannot keep up with storage: training waited %.0f ms to hand over %d "
+            "record(s) (%.1f MB per record, written at %.0f MB/s; %d segments may wait); "
+            "%s (this warning is not repeated; the writer's backlog is in the metrics)",
+            self.identity.dirname(),
+            waited * 1000.0,
+            records,
+            per_record / 1e6,
+            rate / 1e6,
+            self._worker.backlog,
+            self.slow_hint,
+        )
 
     def _raise_background_error(self) -> None:
         error = self._worker.error

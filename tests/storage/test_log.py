@@ -4,6 +4,7 @@ back-pressure handled as documented."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -182,14 +183,20 @@ def test_skip_policy_drops_batches_says_so_and_stops_durability(tmp_path, monkey
     assert [r.iteration for r in scan.records] == [6, 7, 8]
 
 
-def test_block_policy_waits_and_loses_nothing(tmp_path, monkeypatch):
+def test_block_policy_waits_and_loses_nothing(tmp_path, monkeypatch, caplog):
     stall = _StalledWrites(monkeypatch)
-    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1, max_pending=1)
+    w = DiffLogWriter(
+        str(tmp_path), IDENTITY, "none", batch_size=1, max_pending=1, slow_hint="do this"
+    )
     threading.Timer(0.5, stall.release.set).start()
-    for it in range(1, 6):
-        w.append(_record(it))
+    with caplog.at_level(logging.WARNING, logger=writer_module.__name__):
+        for it in range(1, 6):
+            w.append(_record(it))
     assert w.flush() == 5 and w.stats.skipped_records == 0 and w.stats.blocked_seconds > 0
     w.close()
+    # Training waited for the writer: said once, with what to do.
+    slow = [r.getMessage() for r in caplog.records if "cannot keep up" in r.getMessage()]
+    assert len(slow) == 1 and "do this" in slow[0] and "training waited" in slow[0]
 
 
 def test_background_failure_reaches_the_training_loop(tmp_path, monkeypatch):
