@@ -32,11 +32,14 @@ take bases together and no rank batches more than another.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.scale_plan import (
     LOWDIFF_PLUS_BASES,
     LOWDIFF_PLUS_LOG,
@@ -64,10 +67,61 @@ class TunerSettings:
     off for the run."""
 
 
+DECISION_FILE = "autotune.json"
+"""In the diff log's folder: the newest decision every rank agreed on (rank 0 writes it), so that a
+restarted job resumes with it instead of relearning it."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An (F, B, diff log on) the ranks agreed on, and when."""
+
+    full_interval: int
+    batch_size: int
+    diff_log: bool
+    iteration: int
+
+
+def load_decision(diff_dir: str) -> Decision | None:
+    """The decision a previous incarnation of the job saved in ``diff_dir``, logged; ``None``
+    when there is none. Any rank."""
+    path = os.path.join(diff_dir, DECISION_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        state = json.load(f)
+    decision = Decision(
+        state["full_interval"], state["batch_size"], state.get("diff_log", True), state["iteration"]
+    )
+    logger.info(
+        "auto-tune: resuming with F %d, B %d%s (decided at iteration %d)",
+        decision.full_interval,
+        decision.batch_size,
+        "" if decision.diff_log else ", LowDiff+ bases only",
+        decision.iteration,
+    )
+    return decision
+
+
+def save_decision(diff_dir: str, decision: Decision) -> None:
+    """Publish ``decision`` for a restart (atomically). Rank 0."""
+    data = json.dumps(
+        {
+            "full_interval": decision.full_interval,
+            "batch_size": decision.batch_size,
+            "diff_log": decision.diff_log,
+            "iteration": decision.iteration,
+        }
+    ).encode()
+    publish_file(os.path.join(diff_dir, DECISION_FILE), lambda f: f.write(data))
+
+
 class OnlineTuner:
     """Measures the cost model's inputs and re-derives (F, B). Any rank; not collective."""
 
-    def __init__(self, settings: TunerSettings, full_interval: int, batch_size: int):
+    def __init__(
+        self, settings: TunerSettings, full_interval: int, batch_size: int, diff_log: bool = True
+    ):
         self.settings = settings
         self.full_interval = full_interval
         self.batch_size = batch_size
@@ -84,7 +138,7 @@ class OnlineTuner:
         self.replay_s: float | None = None
         self.restart_s: float = 0.0
         self.last_plan: Plan | None = None
-        self.diff_log = True
+        self.diff_log = diff_log
         """Whether differentials are written (LowDiff+ may turn the log off)."""
 
     # -- measurements ------------------------------------------------------------------------

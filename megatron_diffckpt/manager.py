@@ -31,25 +31,24 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
 from megatron_diffckpt import full_storage, recovery, retention
-from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
-from megatron_diffckpt.background import children_die_with_this_process
-from megatron_diffckpt.checkpoint_layout import (
-    CheckpointNotFoundError,
-    checkpoint_dir,
-    find_latest_iteration,
-    has_tracker,
+from megatron_diffckpt.autotune import (
+    Decision,
+    OnlineTuner,
+    TunerSettings,
+    load_decision,
+    save_decision,
 )
+from megatron_diffckpt.background import children_die_with_this_process
+from megatron_diffckpt.base_space import BaseSpace
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
@@ -70,9 +69,6 @@ PLUS_SLOW_HINT = (
     "--diffckpt-plus-no-diff-log (bases only, as often as storage writes them) or let "
     "--diffckpt-auto-tune choose from the measured costs"
 )
-
-# The auto-tuner's newest agreed (F, B): a restarted job resumes with it instead of relearning.
-AUTOTUNE_FILE = "autotune.json"
 
 
 def shard_layout_hash(optimizer: Any) -> str:
@@ -141,6 +137,7 @@ class DiffCheckpointManager:
         self.model_chunks = model_chunks or []
         self.strategy: PerIterationStrategy | None = None  # set by start()
         self.save_dir = save_dir
+        self.space = BaseSpace(save_dir, config.when_full)
         self.dir = config.dir or os.path.join(save_dir, "diffckpt")
         self.optimizer = optimizer
         self.rng_tracker = rng_tracker
@@ -159,7 +156,6 @@ class DiffCheckpointManager:
         self._published_bases: list[int] = []
         self._recovery: tuple[float, float | None, float] | None = None
         self._shard_map_done = False
-        self._base_full_since: int | None = None  # first base skipped for a full --save
         self._shard_map_full = False  # warned that the shard map found no room
         self.last_diff_seconds = 0.0
         """Training-path time of the last differential: capture, record, hand-off."""
@@ -311,28 +307,17 @@ class DiffCheckpointManager:
             recovery.truncate_log(self.rank_dir, scan, iteration)
         batch_size, diff_log = self.config.batch_size, True
         if self.config.auto_tune:
-            decided = os.path.join(self.dir, AUTOTUNE_FILE)
-            if os.path.exists(decided):
-                with open(decided) as f:
-                    state = json.load(f)
-                full_interval, batch_size = state["full_interval"], state["batch_size"]
-                self.full_interval = full_interval
-                diff_log = state.get("diff_log", True)
-                logger.info(
-                    "auto-tune: resuming with F %d, B %d%s (decided at iteration %d)",
-                    full_interval,
-                    batch_size,
-                    "" if diff_log else ", LowDiff+ bases only",
-                    state["iteration"],
-                )
+            decided = load_decision(self.dir)
+            if decided is not None:
+                full_interval, batch_size = decided.full_interval, decided.batch_size
+                self.full_interval, diff_log = full_interval, decided.diff_log
             settings = TunerSettings(
                 mtbf_s=self.config.mtbf_hours * 3600.0,
                 host_memory_budget=self.config.host_memory_budget * 2.0**20,
                 max_pending=self.config.max_pending,
                 plus=self.config.mode == "lowdiff-plus",
             )
-            self.tuner = OnlineTuner(settings, full_interval, batch_size)
-            self.tuner.apply(full_interval, batch_size, diff_log)
+            self.tuner = OnlineTuner(settings, full_interval, batch_size, diff_log)
             if self._recovery is not None:
                 self.tuner.observe_recovery(*self._recovery)
             else:
@@ -394,9 +379,10 @@ class DiffCheckpointManager:
 
     def _retune(self, iteration: int) -> None:
         """Agree on the ranks' proposals (MIN of F and of B) and adopt them. All ranks."""
-        proposed = recovery.all_reduce_min(list(self.tuner.propose(iteration)))
-        full_interval, batch_size, diff_log = proposed
-        diff_log = bool(diff_log) and self.tuner.diff_log
+        full_interval, batch_size, log = recovery.all_reduce_min(
+            list(self.tuner.propose(iteration))
+        )
+        diff_log = bool(log) and self.tuner.diff_log
         current_b = self.writer.batch_size if self.writer is not None else batch_size
         if (full_interval, batch_size, diff_log) != (
             self.full_interval,
@@ -413,10 +399,7 @@ class DiffCheckpointManager:
                 "" if diff_log else ", diff log off (LowDiff+ bases only)",
             )
             if torch.distributed.get_rank() == 0:
-                state = {"full_interval": full_interval, "batch_size": batch_size}
-                state["diff_log"] = diff_log
-                data = json.dumps({**state, "iteration": iteration}).encode()
-                publish_file(os.path.join(self.dir, AUTOTUNE_FILE), lambda f: f.write(data))
+                save_decision(self.dir, Decision(full_interval, batch_size, diff_log, iteration))
         if not diff_log and self.tuner.diff_log:
             logger.warning(
                 "auto-tune at iteration %d: LowDiff+ stops writing the diff log (storage cannot "
@@ -472,23 +455,13 @@ class DiffCheckpointManager:
         return blocked
 
     def _base_fits(self, iteration: int) -> bool:
-        """Whether a base of ``iteration`` fits in the space left under ``--save``: as big as
-        the newest published one, or before the first, at least the distributed optimizer's
-        state (12 bytes per parameter: main parameter and two moments in fp32), plus what the
-        diff log may write meanwhile. All ranks, collectively (rank 0 measures)."""
+        """Whether a base of ``iteration`` fits in the space left under ``--save`` (see
+        :meth:`BaseSpace.fits`); if not, it is given up. All ranks, collectively."""
         floor = recovery.all_reduce_sum([self._local_base_floor()])[0]
-        unknown = 2**62  # what the other ranks contribute: the MIN is rank 0's measurement
-        fits, needed, free = True, unknown, unknown
-        if torch.distributed.get_rank() == 0:
-            fits, needed, free = full_storage.base_fits(
-                self.save_dir, self._newest_published_dir(), floor
-            )
-        fits, needed, free = recovery.all_reduce_min([int(fits), needed, free])
-        if fits:
+        reason = self.space.fits(floor)
+        if reason is None:
             return True
-        self._storage_full(
-            iteration, f"{free / 2**20:.1f} MiB free, a base needs about {needed / 2**20:.1f} MiB"
-        )
+        self._give_up_base(iteration, reason)
         return False
 
     def _local_base_floor(self) -> int:
@@ -517,74 +490,13 @@ class DiffCheckpointManager:
         and the diff log stand, and bases resume once there is space); with ``block`` the job
         stops with :class:`~megatron_diffckpt.full_storage.StorageFullError`. Any other error is
         raised again."""
-        reason = full_storage.full_reason(exc)
-        if reason is None and torch.distributed.get_rank() == 0:
-            reason = full_storage.looks_full(
-                self.save_dir,
-                self._newest_published_dir(),
-                checkpoint_dir(self.save_dir, iteration),
-            )
-        if recovery.all_reduce_min([0 if reason else 1])[0] == 1:
-            raise exc
-        self._storage_full(iteration, reason or "storage is full on another rank")
+        self._give_up_base(iteration, self.space.full_reason(iteration, exc))
 
-    def _storage_full(self, iteration: int, reason: str) -> None:
-        """Base ``iteration`` cannot be written: clean its partial folder, then skip or stop.
-        All ranks, collectively."""
-        newest = self._newest_published()
-        if torch.distributed.get_rank() == 0 and newest != iteration:
-            shutil.rmtree(checkpoint_dir(self.save_dir, iteration), ignore_errors=True)
-        torch.distributed.barrier()
-        self._last_base, self._start_base = iteration, None  # the next try comes F later
-        stand = (
-            f"the newest base is {newest}, the diff log is durable to iteration "
-            f"{self.durable_iteration}"
-            if newest is not None
-            else "there is no base yet"
-        )
-        if self.config.when_full == "block":
-            raise full_storage.StorageFullError(
-                f"base {iteration} cannot be written under {self.save_dir} ({reason}); {stand}: "
-                "free space and restart with --load, or run with --diffckpt-when-full skip"
-            )
-        if self._base_full_since is None:
-            self._base_full_since = iteration
-            self._warn_once_per_job(
-                "storage under %s is full (%s): base %d was NOT saved, and bases are skipped "
-                "until there is space again; %s (--diffckpt-when-full skip)",
-                self.save_dir,
-                reason,
-                iteration,
-                stand,
-            )
-        else:
-            logger.info(
-                "base %d skipped: storage under %s is still full (%s)",
-                iteration,
-                self.save_dir,
-                reason,
-            )
-
-    def _newest_published(self) -> int | None:
-        """The base ``--save``'s tracker names (complete), or ``None``. Any rank."""
-        if not has_tracker(self.save_dir):
-            return None
-        try:
-            return find_latest_iteration(self.save_dir)
-        except CheckpointNotFoundError:
-            return None
-
-    def _newest_published_dir(self) -> Path | None:
-        """The folder of the newest published base, or ``None``. Any rank."""
-        newest = self._newest_published()
-        return None if newest is None else checkpoint_dir(self.save_dir, newest)
-
-    @staticmethod
-    def _warn_once_per_job(msg: str, *args: object) -> None:
-        """A storage incident every rank sees: a warning on rank 0, info elsewhere (one warning
-        per job, not one per rank). Any rank."""
-        log = logger.warning if torch.distributed.get_rank() == 0 else logger.info
-        log(msg, *args)
+    def _give_up_base(self, iteration: int, reason: str) -> None:
+        """Base ``iteration`` cannot be written (:meth:`BaseSpace.give_up`); the next try comes
+        F iterations later. All ranks, collectively."""
+        self._last_base, self._start_base = iteration, None
+        self.space.give_up(iteration, reason, self.durable_iteration)
 
     def on_base_saved(self, iteration: int, blocked_s: float) -> None:
         """A base of ``iteration`` was started; training was blocked ``blocked_s``. All ranks.
@@ -612,15 +524,7 @@ class DiffCheckpointManager:
         """A base of ``iteration`` is published: durability counts from it, and retention applies.
         All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
         self._published_bases.append(iteration)
-        if self._base_full_since is not None:
-            self._warn_once_per_job(
-                "storage under %s has space again: base %d published (bases from %d on were "
-                "skipped)",
-                self.save_dir,
-                iteration,
-                self._base_full_since,
-            )
-            self._base_full_since = None
+        self.space.published(iteration)
         if self.writer is not None:
             self.writer.rebase(iteration)
         if self.tuner is not None:

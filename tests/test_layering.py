@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megatron_diffckpt"
 # Below the manager: capture, recovery, the merger, storage, compression, tuning, the offline
 # tools, and what they share.
 BELOW_THE_MANAGER = (
-    "autotune.py", "background.py", "capture.py", "checkpoint_layout.py", "cli.py",
+    "autotune.py", "background.py", "base_space.py", "capture.py", "checkpoint_layout.py", "cli.py",
     "compression.py", "config.py", "dist_ckpt_io.py", "durable_io.py", "errors.py",
     "exchange.py", "export.py", "failpoints.py", "full_storage.py", "offline_merge.py",
     "progress.py", "recovery.py", "reshardable.py",
