@@ -90,7 +90,7 @@ def _model(hidden: int, micro_batch: int) -> list[str]:
 # size trains a smaller micro-batch (an iteration of about the 13M model's length), fewer
 # iterations per run and fewer runs (``--repeats`` overrides the runs of every size).
 SIZES = {
-    "3M": (_model(256, 4), 20, 3),
+    "3M": (_model(256, 4), 20, 2),
     "13M": (_model(512, 4), 20, 3),
     "50M": (_model(1024, 1), 10, 2),
 }
