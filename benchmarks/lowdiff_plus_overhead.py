@@ -260,7 +260,7 @@ def _summary(rows: dict, med: dict) -> dict:
 
 def _params(work: Path, size: str) -> int:
     """The model's parameter count, as the first run's log says."""
-    text = next(work.glob(f"{size}_none_*.log")).read_text()
+    text = (work / f"{size}_none_0.log").read_text()
     m = re.search(r"TP=1 PP=1 DP=\d+; (\d+) parameters", text)
     return int(m.group(1)) if m else 0
 
@@ -335,7 +335,14 @@ def main() -> int:
     parser.add_argument(
         "--out", type=str, default=str(RESULTS / "lowdiff_plus_overhead"), help="results stem"
     )
+    parser.add_argument(
+        "--plot-only", action="store_true", help="redraw the plot from the results JSON"
+    )
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.plot_only:
+        plot(json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".png"))
+        return 0
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
@@ -351,7 +358,6 @@ def main() -> int:
         "plus_base_interval": PLUS_BASE_INTERVAL,
         "sizes": {},
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for i, size in enumerate(sizes):
         started = time.perf_counter()
