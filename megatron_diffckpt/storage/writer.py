@@ -95,7 +95,7 @@ class DiffLogWriter:
             batch with one warning per incident, go on; durability waits for the next base).
         chain_start: the iteration of the base the first record follows.
         slow_hint: what to do when storage cannot keep up, for the warning that says so (once
-            per writer, the first time training waits for it).
+            per writer, the first time a hand-over waits for it).
     """
 
     SLOW_AFTER_S = 0.01
@@ -239,15 +239,20 @@ class DiffLogWriter:
             self._warn_slow(waited, len(batch))
 
     def _warn_slow(self, waited: float, records: int) -> None:
-        """Once: training waited for the writer (storage slower than the log's bytes)."""
+        """Once: the thread that hands records over (the training thread for LowDiff, the
+        merger for LowDiff+, which then holds its snapshot slots longer) waited for the writer
+        (storage slower than the log's bytes)."""
         stats = self.stats
         per_record = stats.bytes_written / stats.records if stats.records else 0.0
         rate = stats.bytes_written / stats.write_seconds if stats.write_seconds else 0.0
+        thread = threading.current_thread()
+        who = "training" if thread is threading.main_thread() else f"thread {thread.name}"
         logger.warning(
-            "diff log %s cannot keep up with storage: training waited %.0f ms to hand over %d "
+            "diff log %s cannot keep up with storage: %s waited %.0f ms to hand over %d "
             "record(s) (%.1f MB per record, written at %.0f MB/s; %d segments may wait); "
             "%s (this warning is not repeated; the writer's backlog is in the metrics)",
             self.identity.dirname(),
+            who,
             waited * 1000.0,
             records,
             per_record / 1e6,

@@ -196,7 +196,7 @@ def test_block_policy_waits_and_loses_nothing(tmp_path, monkeypatch, caplog):
     w.close()
     # Training waited for the writer: said once, with what to do.
     slow = [r.getMessage() for r in caplog.records if "cannot keep up" in r.getMessage()]
-    assert len(slow) == 1 and "do this" in slow[0] and "training waited" in slow[0]
+    assert len(slow) == 1 and "do this" in slow[0] and "training waited" in slow[0]  # main thread
 
 
 def test_background_failure_reaches_the_training_loop(tmp_path, monkeypatch):
