@@ -68,7 +68,7 @@ test-quick: $(STAMP)
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
 	$(VENV)/bin/python -m pytest -q -m "not distributed" tests
 
-# The benchmarks (about 45 minutes on 2 cores); results in benchmarks/results/.
+# The benchmarks (about 2 hours on 2 cores); results in benchmarks/results/.
 bench: $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet -r requirements/bench.txt
 	$(VENV)/bin/python benchmarks/lowdiff_overhead.py
