@@ -179,34 +179,39 @@ class OnlineTuner:
         if len(self._iteration_s) < 3 or not self._write_bytes_s or not self._base_stall_s:
             return None  # a base's cost is never assumed: wait for one to be measured
         med = statistics.median
-        nbytes = sum(b for b, _ in self._write_bytes_s)
-        seconds = sum(s for _, s in self._write_bytes_s)
+        bandwidth = self._write_bandwidth()
         persist = med(self._base_persist_s) if self._base_persist_s else 0.0
         return CostInputs(
             iteration_s=med(self._iteration_s),
             diff_s=med(self._diff_s),
             diff_bytes=med(self._diff_bytes),
-            write_bandwidth=nbytes / seconds if seconds > 0 else 1e12,
+            write_bandwidth=bandwidth,
             write_latency_s=med(self._write_latency_s),
             base_stall_s=med(self._base_stall_s) if self._base_stall_s else 0.0,
             base_persist_s=persist,
             base_load_s=self.base_load_s if self.base_load_s is not None else persist,
-            replay_s=self.replay_s if self.replay_s is not None else self._replay_estimate(),
+            replay_s=self.replay_s
+            if self.replay_s is not None
+            else self._replay_estimate(bandwidth),
             restart_s=self.restart_s,
             mtbf_s=self.settings.mtbf_s,
             host_memory_budget=self.settings.host_memory_budget,
             max_pending=self.settings.max_pending,
         )
 
-    def _replay_estimate(self) -> float:
+    def _write_bandwidth(self) -> float:
+        """Bytes per second the writer wrote, over the recent segments."""
+        nbytes = sum(b for b, _ in self._write_bytes_s)
+        seconds = sum(s for _, s in self._write_bytes_s)
+        return nbytes / seconds if seconds > 0 else 1e12
+
+    def _replay_estimate(self, bandwidth: float) -> float:
         """One replayed differential before a recovery measured it: an optimizer step, and for
         LowDiff+ also reading the dense differential back (at the measured write bandwidth)."""
         step = statistics.median(self._step_s)
-        if not self.settings.plus or not self._write_bytes_s:
+        if not self.settings.plus:
             return step
-        nbytes = sum(b for b, _ in self._write_bytes_s)
-        seconds = sum(s for _, s in self._write_bytes_s)
-        return step + statistics.median(self._diff_bytes) * seconds / max(nbytes, 1.0)
+        return step + statistics.median(self._diff_bytes) / bandwidth
 
     def propose(self, iteration: int) -> tuple[int, int, int]:
         """The (F, B, diff log on) the recent measurements call for (the current ones until
