@@ -35,6 +35,10 @@ publishing it). Reported: base load, log read and replay times against N.
 Loss curves: ``dense``, top-k 10% and top-k 1% over a longer run of the demo's model on the
 shipped corpus.
 
+Sizes (``--sizes 13M,50M``, or ``--sizes-only`` to keep the rest of the JSON): the overhead rows
+(``SWEEP_CONFIGS``) at the larger models of ``SIZES``, one interleaved run per size; the plot's
+last panel shows how each row grows with the model (``3M`` is ``MODEL``, from the main rows).
+
 Results go to ``benchmarks/results/lowdiff_overhead.json`` and ``.png``.
 """
 
@@ -80,6 +84,26 @@ DEMO_MODEL = (
     "--lr 5e-4 --min-lr 5e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 "
     "--clip-grad 1.0 --use-distributed-optimizer --overlap-grad-reduce --log-interval 1"
 ).split()
+
+
+def model_at(hidden: int, micro_batch: int) -> list[str]:
+    """``MODEL`` at another hidden size and micro-batch."""
+    args = list(MODEL)
+    args[args.index("--hidden-size") + 1] = str(hidden)
+    args[args.index("--micro-batch-size") + 1] = str(micro_batch)
+    args[args.index("--global-batch-size") + 1] = str(micro_batch * NPROC)
+    return args
+
+
+# The size sweep (this benchmark's ``--sizes`` and lowdiff_plus_overhead.py): name -> (model
+# arguments, measured iterations per run, runs per configuration). ``3M`` is ``MODEL``. The
+# largest size trains a smaller micro-batch (an iteration of about the 13M model's length), fewer
+# iterations per run and fewer runs (``--repeats`` overrides the runs of every size).
+SIZES = {
+    "3M": (model_at(256, 4), 20, 2),
+    "13M": (model_at(512, 4), 20, 3),
+    "50M": (model_at(1024, 1), 10, 2),
+}
 
 TOPK = ["--diffckpt-compressor", "topk", "--diffckpt-topk-ratio", RATIO]
 NO_BASES = "100000"  # --diffckpt-full-interval: no base inside the measured window
@@ -170,16 +194,23 @@ def measured(per_iteration: dict[int, float], total: int) -> list[float]:
     return [per_iteration[i] for i in range(WARMUP + 1, total)]
 
 
-def measure_overhead(work: Path, repeats: int, iters: int) -> dict:
+# At the sweep's larger sizes: the rows that show how LowDiff's cost grows, without the
+# synchronous save (it costs what the asynchronous one does plus the wait).
+SWEEP_CONFIGS = ("dense", "topk", "lowdiff_b1", "lowdiff_b8", "stock_async")
+
+
+def measure_overhead(
+    work: Path, repeats: int, iters: int, model: list[str] = MODEL, names: list[str] | None = None
+) -> dict:
     total = WARMUP + iters + 1
-    names = list(configs(""))
+    names = names or list(configs(""))
     per_run: dict[str, list[float]] = {n: [] for n in names}
     diff_run: dict[str, list[float]] = {n: [] for n in names}
     extra: dict[str, dict] = {}
     for round_, name in interleaved(names, repeats):
         ckpt = work / f"ckpt_{name}"
         shutil.rmtree(ckpt, ignore_errors=True)
-        args = [*MODEL, "--train-iters", str(total), *configs(str(ckpt))[name]]
+        args = [*model, "--train-iters", str(total), *configs(str(ckpt))[name]]
         text, _ = run(args, work / f"{name}_{round_}.log")
         per_run[name].append(statistics.median(measured(iteration_times(text), total)))
         diffs = diff_times(text)
@@ -215,7 +246,11 @@ def measure_overhead(work: Path, repeats: int, iters: int) -> dict:
         "lowdiff_b8_overhead": rows["lowdiff_b8"]["overhead_vs_topk"],
         "lowdiff_b1_diff_time_share": rows["lowdiff_b1"]["diff_time_share"],
         "topk_run_spread": (max(per_run["topk"]) - min(per_run["topk"])) / base,
-        "stock_sync_over_lowdiff_b1": _ratio(rows["stock_sync"]["overhead_vs_topk"], ld),
+        **(
+            {"stock_sync_over_lowdiff_b1": _ratio(rows["stock_sync"]["overhead_vs_topk"], ld)}
+            if "stock_sync" in rows
+            else {}
+        ),
         "stock_async_over_lowdiff_b1": _ratio(rows["stock_async"]["overhead_vs_topk"], ld),
         "compression_cost_dense_vs_topk": -rows["dense"]["overhead_vs_topk"],
         "ratios_floor_lowdiff_overhead_at": NOISE_FLOOR,
@@ -291,7 +326,8 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
+    sizes = {"3M": result["overhead"], **result.get("sizes", {})}
+    fig, axes = plt.subplots(1, 5 if len(sizes) > 1 else 4, figsize=(26, 4.5))
     rows = result["overhead"]["rows"]
     names = list(rows)
     ax = axes[0]
@@ -332,8 +368,45 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("lm loss")
     ax.set_title("training loss, shipped corpus")
     ax.legend()
+    if len(sizes) > 1:
+        ax = axes[4]
+        names = [s for s in SIZES if s in sizes]
+        lines = {
+            "lowdiff_b1": "LowDiff B=1",
+            "lowdiff_b8": "LowDiff B=8",
+            "stock_async": "stock async save",
+            "dense": "dense exchange",
+        }
+        for row, label in lines.items():
+            overhead = [100 * sizes[n]["rows"][row]["overhead_vs_topk"] for n in names]
+            ax.plot(names, overhead, "o-", label=label)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("model size (parameters)")
+        ax.set_ylabel("overhead vs topk, no checkpoint (%)")
+        ax.set_title("checkpoint every iteration, by model size")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def measure_sizes(work: Path, sizes: list[str], args: argparse.Namespace) -> dict:
+    """The overhead rows at each of ``sizes`` (``SWEEP_CONFIGS``), one interleaved run each."""
+    out = {}
+    for size in sizes:
+        model, iters, runs = SIZES[size]
+        started = time.time()
+        print(f"size {size}: {runs} run(s) of {', '.join(SWEEP_CONFIGS)}")
+        sweep = measure_overhead(work / size, runs, iters, model, list(SWEEP_CONFIGS))
+        out[size] = {
+            "command": "python benchmarks/lowdiff_overhead.py " + " ".join(sys.argv[1:]),
+            "model": " ".join(model),
+            "measured_iterations": iters,
+            "runs": runs,
+            "minutes": (time.time() - started) / 60,
+            **sweep,
+        }
+        print(json.dumps(sweep["summary"], indent=2))
+    return out
 
 
 def main() -> int:
@@ -346,15 +419,31 @@ def main() -> int:
     parser.add_argument(
         "--curves-only", action="store_true", help="redo the loss curves, keep the rest of the JSON"
     )
+    parser.add_argument(
+        "--sizes",
+        default="",
+        help=f"also the overhead at these larger model sizes, of {[s for s in SIZES][1:]} "
+        f"(configurations {', '.join(SWEEP_CONFIGS)}; runs and iterations per size from SIZES)",
+    )
+    parser.add_argument(
+        "--sizes-only", action="store_true", help="only --sizes, keep the rest of the JSON"
+    )
     args = parser.parse_args()
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES or s == "3M"]
+    if unknown or (args.sizes_only and not sizes):
+        parser.error(f"--sizes takes some of {list(SIZES)[1:]} (3M is MODEL), got {args.sizes!r}")
     work = Path(args.work or tempfile.mkdtemp(prefix="lowdiff_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     out = RESULTS / "lowdiff_overhead.json"
-    if args.curves_only:
+    if args.curves_only or args.sizes_only:
         result = json.loads(out.read_text())
-        result["loss_curves"] = measure_loss_curves(work, args.curve_iters)
-        result["loss_curves_command"] = "python benchmarks/lowdiff_overhead.py --curves-only"
+        if args.curves_only:
+            result["loss_curves"] = measure_loss_curves(work, args.curve_iters)
+            result["loss_curves_command"] = "python benchmarks/lowdiff_overhead.py --curves-only"
+        if sizes:
+            result.setdefault("sizes", {}).update(measure_sizes(work, sizes, args))
         out.write_text(json.dumps(result, indent=2) + "\n")
         result["loss_curves"] = {
             k: {int(i): v for i, v in c.items()} for k, c in result["loss_curves"].items()
@@ -373,6 +462,8 @@ def main() -> int:
         "recovery": measure_recovery(work, args.recovery_diffs),
         "loss_curves": measure_loss_curves(work, args.curve_iters),
     }
+    if sizes:
+        result["sizes"] = measure_sizes(work, sizes, args)
     result["wall_s"] = time.time() - started
     RESULTS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

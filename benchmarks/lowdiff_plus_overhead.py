@@ -6,8 +6,8 @@ Run (from the repository root; ``make bench`` installs the plotting requirements
 
 One invocation per sweep; within each model size the configurations run interleaved round by
 round, so that drift of the machine hits them alike. Each trains the same uncompressed GPT
-(``SIZES``: 4 layers, hidden 256 / 512 / 1024, about 3.3M / 12.9M / 50.9M parameters) on 2
-processes (the distributed optimizer with overlapped gradient reduction):
+(``SIZES`` of lowdiff_overhead.py: 4 layers, hidden 256 / 512 / 1024, about 3.3M / 12.9M /
+50.9M parameters) on 2 processes (the distributed optimizer with overlapped gradient reduction):
 
 - ``none``: no checkpoints;
 - ``plus``: ``--diffckpt-mode lowdiff-plus``, a recoverable state every iteration: bucket
@@ -59,12 +59,12 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lowdiff_overhead import (  # noqa: E402
-    MODEL,
     NOISE_FLOOR,
     NPROC,
     PRETRAIN_GPT,
     REPO,
     RESULTS,
+    SIZES,
     WARMUP,
     diff_times,
     folder_bytes,
@@ -75,25 +75,6 @@ from lowdiff_overhead import (  # noqa: E402
 
 PLUS_BASE_INTERVAL = 10
 PP2 = ["--pipeline-model-parallel-size", "2"]
-
-
-def _model(hidden: int, micro_batch: int) -> list[str]:
-    """``MODEL`` (lowdiff_overhead.py) at another hidden size and micro-batch."""
-    args = list(MODEL)
-    args[args.index("--hidden-size") + 1] = str(hidden)
-    args[args.index("--micro-batch-size") + 1] = str(micro_batch)
-    args[args.index("--global-batch-size") + 1] = str(micro_batch * NPROC)
-    return args
-
-
-# name -> (model arguments, measured iterations per run, runs per configuration). The largest
-# size trains a smaller micro-batch (an iteration of about the 13M model's length), fewer
-# iterations per run and fewer runs (``--repeats`` overrides the runs of every size).
-SIZES = {
-    "3M": (_model(256, 4), 20, 2),
-    "13M": (_model(512, 4), 20, 3),
-    "50M": (_model(1024, 1), 10, 2),
-}
 
 
 def configs(ckpt: str, with_pp2: bool) -> dict[str, list[str]]:

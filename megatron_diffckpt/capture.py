@@ -52,10 +52,10 @@ def encode_grad(grad: torch.Tensor) -> dict[str, torch.Tensor]:
     Non-zero means "some bit set", so ``-0.0`` survives the round trip.
     """
     flat = grad.detach().reshape(-1)
-    nz = flat.view(_INT_VIEW[flat.element_size()]) != 0
-    nnz = int(nz.sum())
+    bits = flat.view(_INT_VIEW[flat.element_size()])
+    nnz = int(torch.count_nonzero(bits))  # one pass, no mask: the dense case is the usual one
     if nnz * (flat.element_size() + 4) < flat.numel() * flat.element_size():
-        idx = nz.nonzero().reshape(-1)
+        idx = (bits != 0).nonzero().reshape(-1)
         return {"values": flat[idx].clone(), "indices": idx.to(torch.int32)}
     return {"dense": flat.clone()}
 

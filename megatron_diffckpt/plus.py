@@ -124,8 +124,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.device = device
         self.pipelined = _pipeline_size(model_chunks) > 1
         self.cpu = CpuMeter()
-        """CPU seconds by activity: the background work (snapshot copy, merge step, diff log
-        record, base persist) and, to compare the merge step with, the training optimizer's
+        """CPU seconds by activity: the background work (snapshot copy, merge input and step,
+        diff log record, base persist) and, to compare the merge step with, the training optimizer's
         step on the training thread."""
         self.snapshotter = BucketSnapshotter(
             shards, slots=slots, device=device, defer_to_bubbles=self.pipelined, cpu=self.cpu
@@ -272,10 +272,10 @@ class LowDiffPlusStrategy(PerIterationStrategy):
 
     def cpu_report(self) -> dict[str, Any]:
         """What LowDiff+ took from the cores, in CPU seconds: per merged iteration by activity
-        (snapshot copy, merge step, diff log record and write) with the training optimizer's
-        own step to compare the merge step with; per base by step (on the training thread:
-        replica copy, planning; on the persister's: gather, write); and training's wall time
-        blocked per base."""
+        (snapshot copy, merge input and step, diff log record and write) with the training
+        optimizer's own step to compare the merge step with; per base by step (on the training
+        thread: replica copy, planning; on the persister's: gather, write); and training's wall
+        time blocked per base."""
         totals = self.cpu.totals()
         if self.writer is not None:
             totals["diff log write"] = self.writer.stats.cpu_seconds

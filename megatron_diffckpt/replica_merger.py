@@ -152,7 +152,9 @@ class ReplicaMerger:
         snapshotter: gives the slots back after merging (:meth:`BucketSnapshotter.release`).
         writer: when given, every merged step is also appended to the diff log (dense, exact).
         cpu: where the merger thread's CPU time goes: ``"merge step"`` (the replica optimizer's
-            step and its input), ``"diff log record"`` (the record handed to ``writer``).
+            own step, to compare with the training optimizer's), ``"merge input"`` (the
+            gradients laid out for it, clipped as training clipped them), ``"diff log
+            record"`` (the record handed to ``writer``).
     """
 
     def __init__(
@@ -264,7 +266,7 @@ class ReplicaMerger:
         for i, opt in enumerate(self.optimizers):
             if opt is None:
                 continue
-            with self.cpu.measure("merge step"):
+            with self.cpu.measure("merge input"):
                 coeff = job.inputs.clip_coeffs.get(i)
                 for g, group in enumerate(opt.param_groups):
                     group["lr"], group["weight_decay"] = job.inputs.groups[f"o{i}.g{g}"]
@@ -278,16 +280,18 @@ class ReplicaMerger:
                         grad = buffers[where.bucket][where.start : where.end].view(p.shape)
                         grad = grad.float()
                         if coeff is not None:
-                            grad = grad * coeff  # megatron: grads.copy_(grads * clip_coeff)
+                            # megatron: grads.copy_(grads * clip_coeff); in place here, the
+                            # same products, into the slot (the merge is its last reader)
+                            grad.mul_(coeff)
                         p.grad = grad
             if self._logs(job):
                 with self.cpu.measure("diff log record"):
                     self.capture.on_ready_grads(i, opt)
             with self.cpu.measure("merge step"):
                 opt.step()
-                for group in opt.param_groups:
-                    for p in group["params"]:
-                        p.grad = None
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
 
 
 def host_group_like(group: Any) -> Any:

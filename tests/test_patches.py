@@ -106,3 +106,33 @@ def test_patch_set_applies_nothing_when_one_member_drifted():
     with pytest.raises(MegatronDriftError):
         PatchSet((good, bad)).apply()
     assert not good.applied and not bad.applied
+
+
+def test_base_files_are_written_without_the_zip_crc_and_the_switch_comes_back():
+    """LowDiff+ base files skip torch.save's zip CRC-32 (no loader checks it); torch.load reads
+    them exactly, and the process-wide switch is restored, also when the write fails."""
+    import io
+    import zipfile
+
+    import torch
+
+    from megatron_diffckpt.patches.base_checkpoint import _without_zip_crc32
+
+    def saved(t):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return buf
+
+    t = torch.randn(1000)
+    assert torch.serialization.get_crc32_options()
+    with _without_zip_crc32():
+        buf = saved(t)
+    assert torch.serialization.get_crc32_options()
+    crcs = {i.filename.rsplit("/", 1)[-1]: i.CRC for i in zipfile.ZipFile(buf).infolist()}
+    assert crcs["0"] == 0  # the tensor's bytes
+    assert all(i.CRC != 0 for i in zipfile.ZipFile(saved(t)).infolist() if i.file_size)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf), t)
+    with pytest.raises(OSError), _without_zip_crc32():
+        raise OSError("disk full")
+    assert torch.serialization.get_crc32_options()
