@@ -394,6 +394,7 @@ def measure_sizes(work: Path, sizes: list[str], args: argparse.Namespace) -> dic
     out = {}
     for size in sizes:
         model, iters, runs = SIZES[size]
+        runs = args.size_repeats or runs
         started = time.time()
         print(f"size {size}: {runs} run(s) of {', '.join(SWEEP_CONFIGS)}")
         sweep = measure_overhead(work / size, runs, iters, model, list(SWEEP_CONFIGS))
@@ -427,6 +428,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--sizes-only", action="store_true", help="only --sizes, keep the rest of the JSON"
+    )
+    parser.add_argument(
+        "--size-repeats", type=int, default=None, help="runs per configuration at --sizes"
     )
     args = parser.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]

@@ -20,8 +20,8 @@ round, so that drift of the machine hits them alike. Each trains the same uncomp
   ``stock_sync`` / ``dcp_async`` (PyTorch DCP ``async_save``, ``--ckpt-format torch_dcp``) of the
   same state every iteration.
 
-At the smallest size, PP = 2 too (``none_pp2``, ``plus_pp2``), with the share of snapshot copy
-time that fell inside pipeline bubbles (from the stages' traces).
+At ``3M``, PP = 2 too (``none_pp2``, ``plus_pp2``), with the share of snapshot copy time that
+fell inside pipeline bubbles (from the stages' traces).
 
 An iteration's time is the whole loop body (train step, LowDiff+ hand-off, save), as the example
 logs it. Per run: median and mean over the measured iterations (the first ``WARMUP`` and the last,
@@ -35,7 +35,9 @@ peak of the summed proportional set sizes (PSS: pages shared between processes, 
 fork, counted once) of all its processes, sampled every second. Bytes per iteration: the diff
 log's per rank, a checkpoint's per rank.
 
-Results go to ``benchmarks/results/lowdiff_plus_overhead.json`` and ``.png``.
+Results go to ``benchmarks/results/lowdiff_plus_overhead.json`` and ``.png``. ``--sizes`` with
+some of the sizes measures those and keeps the others' rows from the JSON (each size records
+the command that measured it).
 """
 
 from __future__ import annotations
@@ -330,20 +332,29 @@ def main() -> int:
         parser.error(f"unknown sizes {unknown}; known: {list(SIZES)}")
     work = Path(args.work or tempfile.mkdtemp(prefix="lowdiff_plus_bench_"))
     work.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/lowdiff_plus_overhead.py --sizes " + args.sizes
+    command += f" --repeats {args.repeats}" if args.repeats else ""
+    kept = {}
+    if out.with_suffix(".json").exists() and set(sizes) != set(SIZES):
+        before = json.loads(out.with_suffix(".json").read_text())
+        kept = {
+            s: {"command": before["command"], **rows}
+            for s, rows in before["sizes"].items()
+            if s not in sizes
+        }
     result = {
-        "command": "python benchmarks/lowdiff_plus_overhead.py --sizes "
-        + args.sizes
-        + (f" --repeats {args.repeats}" if args.repeats else ""),
+        "command": command,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         + ("GPU" if _cuda() else "no GPU"),
         "plus_base_interval": PLUS_BASE_INTERVAL,
-        "sizes": {},
+        "sizes": kept,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    for i, size in enumerate(sizes):
+    for size in sizes:
         started = time.perf_counter()
-        measured_size = measure(work, size, args.repeats, with_pp2=i == 0)
+        measured_size = measure(work, size, args.repeats, with_pp2=size == "3M")
         result["sizes"][size] = {
+            "command": command,
             "model_args": SIZES[size][0],
             "measured_iterations": SIZES[size][1],
             "runs": args.repeats or SIZES[size][2],
@@ -351,6 +362,7 @@ def main() -> int:
             **measured_size,
         }
         print(json.dumps({size: measured_size["summary"]}, indent=1), flush=True)
+        result["sizes"] = {s: result["sizes"][s] for s in SIZES if s in result["sizes"]}
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # after every size
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')}")
