@@ -53,6 +53,7 @@ from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptUsageError
+from megatron_diffckpt.keeper import KeeperClient
 from megatron_diffckpt.lowdiff import LowDiffStrategy
 from megatron_diffckpt.patches import base_checkpoint, optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlusStrategy
@@ -107,6 +108,11 @@ def format_metrics(metrics: dict[str, float]) -> str:
         )
     if "merge_backlog" in metrics:
         text += f" merge backlog: {int(metrics['merge_backlog'])} |"
+    if "keeper_lag" in metrics:
+        text += (
+            f" keeper lag: {int(metrics['keeper_lag'])} |"
+            f" keeper memory (MiB): {metrics['keeper_mib']:.1f}/{metrics['keeper_cap_mib']:.0f} |"
+        )
     return text
 
 
@@ -146,6 +152,8 @@ class DiffCheckpointManager:
             _run_id(self.dir, config.mode), tp, pp, dp, shard_layout_hash(optimizer)
         )
         self.rank_dir = os.path.join(self.dir, self.identity.dirname())
+        self.keeper = KeeperClient.from_env(self.identity)
+        """The node's keeper (:mod:`~megatron_diffckpt.keeper`), when the launcher runs one."""
         self.writer: DiffLogWriter | None = None
         self.tuner: OnlineTuner | None = None
         self.full_interval = 0  # F; set by start()
@@ -176,15 +184,23 @@ class DiffCheckpointManager:
         for problem in scan.problems:
             logger.warning("diff log %s: %s", self.identity.dirname(), problem)
         self._refuse_another_layout(scan, base_iteration)
-        target = recovery.agree_on_iteration(scan)
-        records = [r for r in scan.records if r.iteration <= target]
+        start = time.perf_counter()
+        kept = self.keeper.chain(scan.last_iteration) if self.keeper is not None else []
+        kept_s = time.perf_counter() - start
+        chain = recovery.join_tiers(scan, kept)
+        target = recovery.agree_on_iteration(chain)
+        records = [r for r in chain.records if r.iteration <= target]
         logger.info(
             "recovery: base at iteration %d, %d differential(s) to replay, recovering to "
-            "iteration %d (this rank's log reaches %d)",
+            "iteration %d (this rank's log reaches %d%s): %s",
             base_iteration,
             len(records),
             target,
             scan.last_iteration,
+            ""
+            if self.keeper is None
+            else f", its keeper {chain.last_iteration} in {kept_s * 1000:.1f} ms",
+            chain.served(target),
         )
         start = time.perf_counter()
         targets = optimizer_step.replay_targets(self.optimizer)
@@ -203,9 +219,18 @@ class DiffCheckpointManager:
         )
         if os.path.isdir(self.rank_dir):
             recovery.truncate_log(self.rank_dir, scan, target)
+        recovery.fill_log(
+            self.rank_dir,
+            self.identity,
+            self._compressor_name(),
+            [r for r in records if r.iteration > scan.last_iteration],
+        )
         if last is None:
             return target, None, None
         return target, last.scalars["scheduler_steps"], last.scalars["consumed_samples"]
+
+    def _compressor_name(self) -> str:
+        return make_compressor(self.config.compressor, self.config.topk_ratio).name
 
     def _refuse_another_layout(self, scan: Any, base_iteration: int) -> None:
         """Differentials after the base written by this run under another optimizer shard layout
@@ -327,12 +352,13 @@ class DiffCheckpointManager:
             self.writer = DiffLogWriter(
                 self.dir,
                 self.identity,
-                make_compressor(self.config.compressor, self.config.topk_ratio).name,
+                self._compressor_name(),
                 batch_size=batch_size,
                 max_pending=self.config.max_pending,
                 when_full=self.config.when_full,
                 chain_start=iteration,
                 **({"slow_hint": PLUS_SLOW_HINT} if plus else {}),
+                keeper=self.keeper,
             )
         if self.writer is None:  # bases only: durability starts at the state we start from
             self._published_bases.append(iteration)
@@ -549,8 +575,10 @@ class DiffCheckpointManager:
         ``diff_ms``: the last differential's (or LowDiff+ hand-off's) time on the training path;
         ``bytes_per_iteration``: diff-log bytes per record written so far; ``recoverable_lag``:
         iterations between now and the newest durable state; ``writer_backlog``: segments waiting
-        for the writer; and the strategy's own (LowDiff+: ``merge_backlog``, ``slot_wait_ms``,
-        ``copies_in_bubbles``; see its ``metrics``).
+        for the writer; with the node's keeper, ``keeper_lag`` (iterations between now and the
+        newest it holds), ``keeper_mib`` and ``keeper_cap_mib`` (what it holds, of all ranks of
+        the node, and its cap); and the strategy's own (LowDiff+: ``merge_backlog``,
+        ``slot_wait_ms``, ``copies_in_bubbles``; see its ``metrics``).
         """
         out = {
             "diff_ms": self.last_diff_seconds * 1000.0,
@@ -561,6 +589,11 @@ class DiffCheckpointManager:
             stats = self.writer.stats
             out["bytes_per_iteration"] = stats.bytes_written / max(stats.records, 1)
             out["writer_backlog"] = float(self.writer.backlog)
+        kept = self.keeper.stats() if self.keeper is not None else {}
+        if kept and self.writer is not None:
+            out["keeper_lag"] = float(iteration - self.writer.kept_iteration)
+            out["keeper_mib"] = kept["bytes"] / 2**20
+            out["keeper_cap_mib"] = kept["memory"] / 2**20
         if self.strategy is not None:
             out.update(self.strategy.metrics())
         return out
@@ -582,3 +615,5 @@ class DiffCheckpointManager:
             self.strategy = None
         if self.writer is not None:
             self.writer.close()
+        if self.keeper is not None:
+            self.keeper.close()

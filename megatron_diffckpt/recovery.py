@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
+    SegmentIdentity,
     segment_filename,
     write_segment,
 )
@@ -48,9 +50,69 @@ def _all_reduce(values: list[int], op: Any, group: Any) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
-def agree_on_iteration(scan: RankLogScan, group: Any = None) -> int:
+def agree_on_iteration(scan: RankLogScan | TieredChain, group: Any = None) -> int:
     """The largest T that every rank's chain reaches: one all-reduce (MIN). All ranks."""
     return all_reduce_min([scan.last_iteration], group)[0]
+
+
+@dataclass
+class TieredChain:
+    """A rank's chain after its base, from storage and from the node's keeper."""
+
+    records: list[DiffRecord]
+    """Consecutive iterations from the base's next on."""
+    stored: int
+    """The last iteration of storage's chain (the base's own when it holds none)."""
+
+    @property
+    def last_iteration(self) -> int:
+        return self.records[-1].iteration if self.records else self.stored
+
+    def served(self, target: int) -> str:
+        """Which tier serves which iterations up to ``target``, for the log."""
+        parts = []
+        first = self.records[0].iteration if self.records else target + 1
+        if first <= min(self.stored, target):
+            parts.append(f"{first}-{min(self.stored, target)} from the diff log")
+        if target > self.stored:
+            parts.append(f"{self.stored + 1}-{target} from the node's keeper")
+        return ", ".join(parts) or "nothing to replay"
+
+
+def join_tiers(scan: RankLogScan, kept: list[DiffRecord]) -> TieredChain:
+    """Storage's chain (``scan``) extended by the keeper's consecutive records after it
+    (``kept``, from any iteration on; what both hold is taken from storage). Any rank."""
+    records, expected = list(scan.records), scan.last_iteration + 1
+    for record in kept:
+        if record.iteration > expected:
+            break
+        if record.iteration == expected:
+            records.append(record)
+            expected += 1
+    return TieredChain(records, scan.last_iteration)
+
+
+def fill_log(
+    rank_dir: str, identity: SegmentIdentity, compressor: str, records: list[DiffRecord]
+) -> None:
+    """Publish ``records`` (consecutive, following the end of the rank's log) as one segment,
+    so that storage's chain reaches as far as recovery did. Any rank."""
+    if not records:
+        return
+    first, last = records[0].iteration, records[-1].iteration
+    header = SegmentHeader(identity, compressor, first, last, len(records))
+    os.makedirs(rank_dir, exist_ok=True)
+    publish_file(
+        os.path.join(rank_dir, segment_filename(first, last)),
+        lambda f: write_segment(f, header, records),
+    )
+    fsync_dir(rank_dir)
+    logger.info(
+        "diff log: wrote iterations %d-%d, recovered from the node's keeper, to %s",
+        first,
+        last,
+        rank_dir,
+    )
 
 
 def replay(

@@ -27,6 +27,7 @@ and never evaluates anything it reads.
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import zlib
@@ -135,6 +136,14 @@ def write_segment(f: BinaryIO, header: SegmentHeader, records: list[DiffRecord])
     for rec in records:
         written += _write_record(f, rec)
     return written
+
+
+def encode_record(rec: DiffRecord) -> bytes:
+    """``rec`` as a segment holds it (header, JSON, payload, checksum): what the node's keeper
+    holds; :func:`iter_records` reads such records back."""
+    buf = io.BytesIO()
+    _write_record(buf, rec)
+    return buf.getvalue()
 
 
 def _write_record(f: BinaryIO, rec: DiffRecord) -> int:

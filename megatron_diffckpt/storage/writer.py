@@ -9,6 +9,11 @@ iterations, and durability stops advancing at the gap (a chain cannot be replaye
 :meth:`DiffLogWriter.rebase` names a base published after the gap. Errors of the background
 thread are raised by the next call from the training loop, never swallowed.
 
+With the node's keeper (:class:`~megatron_diffckpt.keeper.KeeperClient`), every record is first
+handed to it, in the caller's thread: once :meth:`DiffLogWriter.append` returns, the keeper holds
+the record in memory that outlives this rank (:attr:`DiffLogWriter.kept_iteration`), whatever
+storage has made durable yet.
+
 Any rank, no collectives: each rank writes only its own folder.
 """
 
@@ -21,6 +26,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
@@ -34,6 +40,9 @@ from megatron_diffckpt.storage.format import (
     segment_filename,
     write_segment,
 )
+
+if TYPE_CHECKING:
+    from megatron_diffckpt.keeper import KeeperClient
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +105,7 @@ class DiffLogWriter:
         chain_start: the iteration of the base the first record follows.
         slow_hint: what to do when storage cannot keep up, for the warning that says so (once
             per writer, the first time a hand-over waits for it).
+        keeper: the node's keeper, handed every record before storage (``None``: storage only).
     """
 
     SLOW_AFTER_S = 0.01
@@ -111,6 +121,7 @@ class DiffLogWriter:
         when_full: str = "block",
         chain_start: int = 0,
         slow_hint: str = "a larger --diffckpt-batch-size spreads each write's fixed cost",
+        keeper: KeeperClient | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -123,6 +134,7 @@ class DiffLogWriter:
         self.batch_size = batch_size
         self.when_full = when_full
         self.slow_hint = slow_hint
+        self.keeper = keeper
         self._slow_warned = False
         self.dir = os.path.join(root, identity.dirname())
         os.makedirs(self.dir, exist_ok=True)
@@ -160,9 +172,16 @@ class DiffLogWriter:
                 f"{self._next_iteration}, got {record.iteration}"
             )
         self._next_iteration += 1
+        if self.keeper is not None:
+            self.keeper.put(record)
         self._batch.append(record)
         if len(self._batch) >= self.batch_size:
             self._submit()
+
+    @property
+    def kept_iteration(self) -> int | None:
+        """The newest iteration the node's keeper holds (``None`` without a keeper)."""
+        return None if self.keeper is None else self.keeper.held_iteration
 
     @property
     def backlog(self) -> int:
@@ -193,6 +212,8 @@ class DiffLogWriter:
         Records after it that were written still count; a gap before it no longer matters. The
         training loop's order of records is unchanged. Any time, from the training loop.
         """
+        if self.keeper is not None:
+            self.keeper.published(base_iteration)
         with self._lock:
             if base_iteration > self._durable:
                 self._durable = base_iteration

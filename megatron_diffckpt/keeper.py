@@ -1,0 +1,368 @@
+"""The node's keeper: recent differentials in host memory that outlives the ranks that made them.
+
+A rank's memory dies with the rank: what it handed to the diff log's writer but had not yet made
+durable (up to a write batch B and the pending batches) is lost with it, and recovery reads
+everything it replays from storage. The keeper is one process per node, started by the node
+launcher (``examples/gpt/node_launcher.py --diffckpt-keeper-memory MIB``) before torchrun and
+stopped after it, so it outlives the ranks of an attempt that failed: torchrun's restarts
+(``--max-restarts``) start new ranks under the same launcher, and they find the keeper holding
+what their predecessors handed it.
+
+What it holds, per rank (its whole :class:`~megatron_diffckpt.storage.format.SegmentIdentity`:
+run, coordinates and shard layout, so it never serves a record to another layout): the records
+after the newest base that rank reported published, each in the diff log's own record encoding
+(checksummed, never pickle). The ranks go on writing the diff log to storage themselves; the
+keeper is a second copy, in memory, that a restart reads first.
+
+- **Acknowledged = held.** :meth:`KeeperClient.put` returns once the keeper holds the record: it
+  survives the rank (SIGKILL included), not the node.
+- **Bounded.** At most ``memory`` bytes: a record that does not fit evicts the oldest records of
+  the rank whose chain is longest (a chain stays a run of consecutive iterations, so recovery
+  takes its start from storage); one larger than the whole cap is not held (storage only, and
+  the rank says so once).
+- **Protocol.** A Unix stream socket in a folder only its user can enter; each message is a
+  header (``<II``: JSON length, payload length), the JSON, the payload. Requests: ``put``
+  (identity, iteration; payload: the record), ``published`` (identity, base iteration: drop the
+  records up to it), ``chain`` (identity, after: the consecutive records from ``after + 1``;
+  payload: the records end to end), ``stats``, ``stop``.
+
+Which processes call: the launcher starts and stops it; any rank's thread calls its own
+:class:`KeeperClient` (one connection per client, calls serialised on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict
+from typing import Any
+
+from megatron_diffckpt.storage.format import (
+    DiffLogFormatError,
+    DiffRecord,
+    SegmentIdentity,
+    encode_record,
+    iter_records,
+)
+
+logger = logging.getLogger(__name__)
+
+ENV = "DIFFCKPT_KEEPER"
+"""The keeper's socket path, set by the node launcher for the ranks it starts."""
+_FRAME = struct.Struct("<II")  # JSON length, payload length
+_MAX_JSON = 1 << 20
+
+
+def _send(sock: socket.socket, header: dict, payload: bytes | memoryview = b"") -> None:
+    doc = json.dumps(header).encode()
+    sock.sendall(_FRAME.pack(len(doc), len(payload)) + doc)
+    if payload:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError(f"the keeper's peer closed the connection ({got} of {n} bytes)")
+        got += k
+    return buf
+
+
+def _recv(sock: socket.socket) -> tuple[dict, bytearray]:
+    n, p = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
+    if n > _MAX_JSON:
+        raise ConnectionError(f"keeper message header of {n} bytes exceeds {_MAX_JSON}")
+    return json.loads(_recv_exact(sock, n)), _recv_exact(sock, p)
+
+
+def _key(identity: dict) -> tuple:
+    return tuple(sorted(identity.items()))
+
+
+class KeeperState:
+    """The records a keeper holds, bounded by ``memory`` bytes. Thread-safe.
+
+    Invariant: each rank's chain is a run of consecutive iterations, after the newest base that
+    rank reported published.
+    """
+
+    def __init__(self, memory: int):
+        self.memory = memory
+        self.nbytes = 0
+        self.evicted = 0
+        self._chains: dict[tuple, OrderedDict[int, bytes]] = {}
+        self._published: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+
+    def put(self, identity: dict, iteration: int, record: bytes) -> tuple[bool, str]:
+        """Hold ``record`` of ``iteration``; ``(held, why not)``."""
+        key = _key(identity)
+        with self._lock:
+            if iteration <= self._published.get(key, -1):
+                return False, f"iteration {iteration} is not after the published base"
+            if len(record) > self.memory:
+                return False, f"a record of {len(record)} bytes exceeds the cap of {self.memory}"
+            chain = self._chains.setdefault(key, OrderedDict())
+            # A new attempt that resumed before the end of the chain replaces its tail; one that
+            # resumed after a gap starts a new chain.
+            while chain and next(reversed(chain)) >= iteration:
+                self.nbytes -= len(chain.popitem()[1])
+            if chain and next(reversed(chain)) != iteration - 1:
+                self.nbytes -= sum(len(r) for r in chain.values())
+                chain.clear()
+            while self.nbytes + len(record) > self.memory:
+                self._evict_oldest()
+            chain[iteration] = record
+            self.nbytes += len(record)
+            return True, ""
+
+    def _evict_oldest(self) -> None:
+        longest = max(self._chains.values(), key=len)
+        _, dropped = longest.popitem(last=False)
+        self.nbytes -= len(dropped)
+        self.evicted += 1
+
+    def published(self, identity: dict, base: int) -> None:
+        """A base of ``base`` is published for ``identity``: drop its records up to it."""
+        key = _key(identity)
+        with self._lock:
+            self._published[key] = max(base, self._published.get(key, -1))
+            chain = self._chains.get(key, OrderedDict())
+            while chain and next(iter(chain)) <= base:
+                self.nbytes -= len(chain.popitem(last=False)[1])
+
+    def chain(self, identity: dict, after: int) -> list[tuple[int, bytes]]:
+        """The consecutive records from ``after + 1`` on (none when the chain starts later)."""
+        with self._lock:
+            chain = self._chains.get(_key(identity), OrderedDict())
+            if after + 1 not in chain:
+                return []
+            return [(i, r) for i, r in chain.items() if i > after]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "ranks": len(self._chains),
+                "records": sum(len(c) for c in self._chains.values()),
+                "bytes": self.nbytes,
+                "memory": self.memory,
+                "evicted": self.evicted,
+            }
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        state = self.server.state
+        with self.server.lock:
+            self.server.connections.add(self.request)
+        while True:
+            try:
+                req, payload = _recv(self.request)
+            except (ConnectionError, OSError, ValueError):
+                return  # the rank went away (or died): what it put stays
+            op = req.get("op")
+            if op == "put" and self.server.stopping:
+                _send(self.request, {"held": False, "why": "the keeper is stopping"})
+            elif op == "put":
+                held, why = state.put(req["identity"], int(req["iteration"]), bytes(payload))
+                _send(self.request, {"held": held, "why": why})
+            elif op == "published":
+                state.published(req["identity"], int(req["iteration"]))
+                _send(self.request, {"ok": True})
+            elif op == "chain":
+                records = state.chain(req["identity"], int(req["after"]))
+                sizes = [[i, len(r)] for i, r in records]
+                _send(self.request, {"records": sizes}, b"".join(r for _, r in records))
+            elif op == "stats":
+                _send(self.request, state.stats())
+            elif op == "stop":
+                self.server.stopping = True
+                _send(self.request, {"ok": True})
+                threading.Thread(target=self.server.shutdown, daemon=True).start()
+                return
+            else:
+                _send(self.request, {"error": f"unknown request {op!r}"})
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, state: KeeperState):
+        self.state = state
+        self.stopping = False
+        self.connections: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        super().__init__(path, _Handler)
+
+    def close_connections(self) -> None:
+        """End every client's connection: their next call finds the keeper gone."""
+        with self.lock:
+            for conn in self.connections:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def serve(path: str, memory: int, ready: threading.Event | None = None) -> KeeperState:
+    """Serve on the Unix socket ``path`` until a ``stop`` request; the final state."""
+    state = KeeperState(memory)
+    server = _Server(path, state)
+    os.chmod(path, 0o600)
+    logger.info("keeper: listening on %s, memory cap %.1f MiB", path, memory / 2**20)
+    if ready is not None:
+        ready.set()
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.close_connections()
+        server.server_close()
+        if os.path.exists(path):
+            os.remove(path)
+    return state
+
+
+class KeeperClient:
+    """One rank's connection to its node's keeper (``path``: :data:`ENV`). Any thread; calls
+    are serialised. A keeper that went away (its node's launcher ended) is reported once by
+    :attr:`lost`; calls then return as if it held nothing."""
+
+    TIMEOUT_S = 60.0
+
+    def __init__(self, path: str, identity: SegmentIdentity):
+        self.path = path
+        self.identity = asdict(identity)
+        self.lost: str | None = None
+        self.held_iteration = -1
+        """The newest iteration the keeper acknowledged."""
+        self._refused_warned = False
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(self.TIMEOUT_S)
+        self._sock.connect(path)
+
+    @classmethod
+    def from_env(cls, identity: SegmentIdentity) -> KeeperClient | None:
+        """The client of the keeper the launcher announced in :data:`ENV`, or ``None``."""
+        path = os.environ.get(ENV)
+        if not path:
+            return None
+        try:
+            return cls(path, identity)
+        except OSError as exc:
+            logger.warning(
+                "keeper %s unreachable (%s): differentials go to storage only", path, exc
+            )
+            return None
+
+    def _call(self, header: dict, payload: bytes = b"") -> tuple[dict, bytearray] | None:
+        if self.lost is not None:
+            return None
+        with self._lock:
+            try:
+                _send(self._sock, {**header, "identity": self.identity}, payload)
+                return _recv(self._sock)
+            except (OSError, ConnectionError, ValueError) as exc:
+                self.lost = str(exc)
+                logger.warning(
+                    "keeper %s lost (%s): differentials go to storage only", self.path, exc
+                )
+                return None
+
+    def put(self, record: DiffRecord) -> bool:
+        """Hand ``record`` to the keeper; ``True`` once it holds it."""
+        reply = self._call({"op": "put", "iteration": record.iteration}, encode_record(record))
+        if reply is None:
+            return False
+        if reply[0]["held"]:
+            self.held_iteration = record.iteration
+            return True
+        if not self._refused_warned:
+            self._refused_warned = True
+            logger.warning(
+                "keeper did not take iteration %d: %s", record.iteration, reply[0]["why"]
+            )
+        return False
+
+    def published(self, base: int) -> None:
+        """A base of ``base`` is published: the keeper drops this rank's records up to it."""
+        self._call({"op": "published", "iteration": base})
+
+    def chain(self, after: int) -> list[DiffRecord]:
+        """The records the keeper holds for this rank from ``after + 1`` on, consecutive, each
+        checked against its checksum (a damaged one ends the chain)."""
+        reply = self._call({"op": "chain", "after": after})
+        if reply is None:
+            return []
+        records: list[DiffRecord] = []
+        try:
+            for record in iter_records(io.BytesIO(reply[1])):
+                if record.iteration != after + 1 + len(records):
+                    break
+                records.append(record)
+        except DiffLogFormatError as exc:
+            logger.warning("keeper: a damaged record ends its chain (%s)", exc)
+        return records
+
+    def stats(self) -> dict[str, Any]:
+        reply = self._call({"op": "stats"})
+        return reply[0] if reply is not None else {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close()
+
+
+def stop(path: str) -> dict[str, Any]:
+    """Ask the keeper at ``path`` to stop; its final stats. The launcher."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(KeeperClient.TIMEOUT_S)
+        sock.connect(path)
+        _send(sock, {"op": "stats"})
+        stats, _ = _recv(sock)
+        _send(sock, {"op": "stop"})
+        _recv(sock)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--socket", required=True, help="the Unix socket to serve on")
+    parser.add_argument("--memory-mib", type=float, required=True, help="memory cap (MiB)")
+    args = parser.parse_args(argv)
+    if args.memory_mib <= 0:
+        parser.error(f"--memory-mib must be positive, got {args.memory_mib}")
+    logging.basicConfig(level=logging.INFO, format="[keeper] %(message)s", stream=sys.stderr)
+    started = time.perf_counter()
+    state = serve(args.socket, int(args.memory_mib * 2**20))
+    s = state.stats()
+    logger.info(
+        "keeper: stopped after %.0f s, holding %d record(s) of %d rank(s), %.1f of %.1f MiB, "
+        "%d evicted for room",
+        time.perf_counter() - started,
+        s["records"],
+        s["ranks"],
+        s["bytes"] / 2**20,
+        s["memory"] / 2**20,
+        s["evicted"],
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

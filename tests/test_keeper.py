@@ -1,0 +1,224 @@
+"""The node's keeper: what it holds and drops, that it outlives a SIGKILLed client, and a real
+training job whose ranks torchrun restarts after a SIGKILL: they recover what storage had not
+made durable from the keeper, and the run ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from launch import REPO, RUN_TIMEOUT_S, TINY_GPT, assert_same_state, load_dumps, run_gpt
+
+from megatron_diffckpt import recovery
+from megatron_diffckpt.keeper import KeeperClient, KeeperState, stop
+from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
+from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
+
+ME = SegmentIdentity("run", 0, 0, 1, "layout")
+ME_DICT = {"run_id": "run", "tp_rank": 0, "pp_rank": 0, "dp_rank": 1, "layout_hash": "layout"}
+
+
+def record(iteration: int, n: int = 16) -> DiffRecord:
+    g = torch.Generator().manual_seed(iteration)
+    return DiffRecord(
+        iteration, {"skipped": False}, {"o0.g0.p0:dense": torch.randn(n, generator=g)}
+    )
+
+
+def held(state: KeeperState, after: int) -> list[int]:
+    return [i for i, _ in state.chain(ME_DICT, after)]
+
+
+def test_state_holds_a_consecutive_chain_and_drops_what_a_base_covers():
+    state = KeeperState(memory=1 << 20)
+    for i in range(1, 6):
+        assert state.put(ME_DICT, i, encode_record(record(i)))[0]
+    assert held(state, 0) == [1, 2, 3, 4, 5]
+    assert held(state, 3) == [4, 5]
+    assert held(state, 7) == []  # the chain does not reach there
+    state.published(ME_DICT, 3)
+    assert held(state, 0) == []  # iteration 1 is gone: no chain from the base before it
+    assert held(state, 3) == [4, 5]
+    assert not state.put(ME_DICT, 2, encode_record(record(2)))[0]  # before the published base
+    # A restarted attempt that resumed at 4 replaces the tail; one after a gap starts anew.
+    assert state.put(ME_DICT, 5, encode_record(record(50)))[0]
+    assert held(state, 3) == [4, 5]
+    assert state.chain(ME_DICT, 4)[0][1] == encode_record(record(50))
+    assert state.put(ME_DICT, 9, encode_record(record(9)))[0]
+    assert held(state, 3) == [] and held(state, 8) == [9]
+    assert state.stats()["records"] == 1
+    other = dict(ME_DICT, layout_hash="another")
+    assert state.chain(other, 8) == []  # never served to another layout
+
+
+def test_state_evicts_the_oldest_of_the_longest_chain_and_refuses_what_cannot_fit():
+    one = len(encode_record(record(1)))
+    state = KeeperState(memory=4 * one)
+    other = dict(ME_DICT, dp_rank=0)
+    for i in range(1, 4):
+        state.put(ME_DICT, i, encode_record(record(i)))
+    state.put(other, 1, encode_record(record(1)))
+    assert state.put(ME_DICT, 4, encode_record(record(4)))[0]
+    assert held(state, 1) == [2, 3, 4] and state.nbytes <= state.memory
+    assert [i for i, _ in state.chain(other, 0)] == [1]
+    assert state.stats()["evicted"] == 1
+    ok, why = state.put(ME_DICT, 5, encode_record(record(5, n=4 * one)))
+    assert not ok and "exceeds the cap" in why
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    sock = str(tmp_path / "keeper.sock")
+    cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
+    proc = subprocess.Popen([*cmd, "--memory-mib", "8"], cwd=REPO, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sock):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    yield sock
+    try:
+        stop(sock)
+    except OSError:
+        pass  # the test stopped it
+    proc.wait(30)
+
+
+def test_what_a_killed_client_handed_over_is_served_back_exactly(keeper):
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_keeper import ME, record
+        from megatron_diffckpt.keeper import KeeperClient
+        client = KeeperClient({keeper!r}, ME)
+        for i in range(1, 8):
+            assert client.put(record(i))
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    client = KeeperClient(keeper, ME)
+    chain = client.chain(2)
+    assert [r.iteration for r in chain] == [3, 4, 5, 6, 7]
+    for r in chain:
+        assert torch.equal(
+            r.tensors["o0.g0.p0:dense"], record(r.iteration).tensors["o0.g0.p0:dense"]
+        )
+    client.published(5)
+    assert [r.iteration for r in client.chain(5)] == [6, 7]
+    assert client.stats()["records"] == 2
+    stats = stop(keeper)
+    assert stats["records"] == 2
+    assert client.put(record(8)) is False and client.lost is None  # refused: it is stopping
+    deadline = time.monotonic() + 30
+    while os.path.exists(keeper):  # removed once it stopped
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.put(record(8)) is False and client.lost  # gone: storage only
+
+
+def test_join_tiers_extends_storage_and_fill_log_makes_storage_reach_as_far(tmp_path):
+    rank_dir = str(tmp_path / ME.dirname())
+    recovery.fill_log(rank_dir, ME, "identity", [record(i) for i in (1, 2, 3)])
+    scan = scan_rank_log(rank_dir, ME, 0)
+    assert scan.last_iteration == 3
+    chain = recovery.join_tiers(scan, [record(i) for i in (2, 3, 4, 5, 7)])
+    assert [r.iteration for r in chain.records] == [1, 2, 3, 4, 5]
+    assert chain.served(5) == "1-3 from the diff log, 4-5 from the node's keeper"
+    assert chain.served(2) == "1-2 from the diff log"
+    assert recovery.join_tiers(RankLogScan(0), [record(2)]).last_iteration == 0  # a gap
+    recovery.fill_log(rank_dir, ME, "identity", chain.records[3:])
+    again = scan_rank_log(rank_dir, ME, 0)
+    assert [r.iteration for r in again.records] == [1, 2, 3, 4, 5] and not again.problems
+    assert torch.equal(
+        again.records[4].tensors["o0.g0.p0:dense"], record(5).tensors["o0.g0.p0:dense"]
+    )
+
+
+NODE_LAUNCHER = REPO / "examples" / "gpt" / "node_launcher.py"
+PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
+
+
+def _ranks_of(launcher: psutil.Process) -> list[psutil.Process]:
+    """The training processes below ``launcher``: RANK set, their parent's not."""
+    found = []
+    for p in launcher.children(recursive=True):
+        try:
+            if "RANK" in p.environ() and "RANK" not in p.parent().environ():
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+            continue
+    return found
+
+
+@pytest.mark.distributed
+def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path):
+    """Batches of 8 iterations: when the ranks die after iteration 11, storage holds 1-8 and the
+    keeper 1-11 (or 12); the restarted ranks recover to the newest iteration every rank's keeper
+    acknowledged, and the run ends equal to an uninterrupted one (``torch.equal``)."""
+    total, kill_after = 16, 11
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
+    common += ["--train-iters", str(total)]
+    run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
+
+    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
+    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "1000"]
+    cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64", "--standalone"]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(PRETRAIN_GPT), *common, *diff]
+    cmd += ["--dump-state", str(tmp_path / "resumed")]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reached = threading.Event()
+
+    def follow():
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(rf"iteration +{kill_after}/", line):
+                reached.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    try:
+        assert reached.wait(RUN_TIMEOUT_S), "".join(lines[-40:])
+        launcher = psutil.Process(proc.pid)
+        victims = _ranks_of(launcher)
+        assert len(victims) == 2, victims
+        for p in victims:
+            p.send_signal(signal.SIGKILL)
+        assert proc.wait(RUN_TIMEOUT_S) == 0, "".join(lines[-60:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    log = "".join(lines)
+    segments = sorted(p.name for p in (ckpt / "diffckpt").glob("rank_*/seg_*"))
+    assert any("seg_0000000001_0000000008" in s for s in segments), segments
+    kept = [int(k) for k in re.findall(r"its keeper (\d+) in", log)]  # rank 0 logs
+    assert len(kept) == 1, log[-4000:]
+    recovered = int(re.search(r"recovered to iteration (\d+)", log)[1])
+    # Both ranks had handed iteration 11 over before rank 0 logged it: nothing the keepers
+    # acknowledged is lost, though storage held 8.
+    assert kill_after <= recovered <= kept[0]
+    assert f"1-8 from the diff log, 9-{recovered} from the node's keeper" in log
+    # storage now reaches the recovered iteration too, and the run ended exactly as straight
+    for rank_dir in (ckpt / "diffckpt").glob("rank_*"):
+        assert (rank_dir / f"seg_0000000009_{recovered:010d}.bin").exists()
+    straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
+    for rank in range(2):
+        assert resumed[rank]["losses"] == straight[rank]["losses"][recovered:]
+        assert_same_state(straight[rank], resumed[rank], rank)
+    assert "keeper: stopped after" in log
