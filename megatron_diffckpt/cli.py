@@ -19,7 +19,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field, fields
 
-from megatron_diffckpt import retention
+from megatron_diffckpt import keeper, retention
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
     TRACKER_FILENAME,
@@ -29,6 +29,7 @@ from megatron_diffckpt.checkpoint_layout import (
 )
 from megatron_diffckpt.config import field_docs
 from megatron_diffckpt.export import ExportError, export_base
+from megatron_diffckpt.keeper import ENV as KEEPER_ENV
 from megatron_diffckpt.offline_merge import MergeError, merge_base
 from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.scale_plan import JobSpec, compare, expected_loss_hours
@@ -148,6 +149,29 @@ def verify_dir(root: str, diff_dir: str | None = None) -> tuple[list[str], list[
     return problems, notes
 
 
+def _keeper_info(path: str) -> dict:
+    """What the keeper at ``path`` holds, or why it could not be asked."""
+    try:
+        return {"socket": path, **keeper.query(path)}
+    except (OSError, ConnectionError, ValueError) as exc:
+        return {"socket": path, "error": str(exc)}
+
+
+def _print_keeper(k: dict) -> None:
+    if "error" in k:
+        print(f"keeper {k['socket']}: not reachable ({k['error']})")
+        return
+    print(
+        f"keeper {k['socket']}: {k['records']} record(s) of {k['ranks']} rank(s), "
+        f"{k['bytes'] / 2**20:.1f} of {k['memory'] / 2**20:.1f} MiB, {k['evicted']} evicted"
+    )
+    for c in k["chains"]:
+        print(
+            f"  rank_{c['tp_rank']}_{c['pp_rank']}_{c['dp_rank']}: iterations "
+            f"{c['first']}-{c['last']}, {c['bytes']} bytes (run {c['run_id'][:8]})"
+        )
+
+
 def _print_inspect(info: dict) -> None:
     print(f"checkpoint folder: {info['root']}")
     if info["mode"]:
@@ -172,6 +196,8 @@ def _print_inspect(info: dict) -> None:
             "pipeline bubbles"
         )
     print(f"recoverable iteration T: {info['recoverable_iteration']}")
+    if "keeper" in info:
+        _print_keeper(info["keeper"])
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -357,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
         if name == "inspect":
             p.add_argument("--json", action="store_true", help="machine-readable output")
+            p.add_argument(
+                "--keeper",
+                default=os.environ.get(KEEPER_ENV),
+                help="also what this node's keeper holds: its socket (default: "
+                f"${KEEPER_ENV}, which the node launcher sets for the ranks)",
+            )
     p = sub.add_parser("merge", help="a base plus its differentials into a new stock base")
     p.add_argument("dir", help="the checkpoint folder (--save); only read")
     p.add_argument(
@@ -399,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         return _prune(args)
     if args.command == "inspect":
         info = inspect_dir(args.dir, args.diff_dir)
+        if args.keeper:
+            info["keeper"] = _keeper_info(args.keeper)
         if args.json:
             print(json.dumps(info, indent=2))
         else:

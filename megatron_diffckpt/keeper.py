@@ -103,11 +103,11 @@ class KeeperState:
         self.memory = memory
         self.nbytes = 0
         self.evicted = 0
-        self._chains: dict[tuple, OrderedDict[int, bytes]] = {}
+        self._chains: dict[tuple, OrderedDict[int, bytes | bytearray]] = {}
         self._published: dict[tuple, int] = {}
         self._lock = threading.Lock()
 
-    def put(self, identity: dict, iteration: int, record: bytes) -> tuple[bool, str]:
+    def put(self, identity: dict, iteration: int, record: bytes | bytearray) -> tuple[bool, str]:
         """Hold ``record`` of ``iteration``; ``(held, why not)``."""
         key = _key(identity)
         with self._lock:
@@ -144,7 +144,7 @@ class KeeperState:
             while chain and next(iter(chain)) <= base:
                 self.nbytes -= len(chain.popitem(last=False)[1])
 
-    def chain(self, identity: dict, after: int) -> list[tuple[int, bytes]]:
+    def chain(self, identity: dict, after: int) -> list[tuple[int, bytes | bytearray]]:
         """The consecutive records from ``after + 1`` on (none when the chain starts later)."""
         with self._lock:
             chain = self._chains.get(_key(identity), OrderedDict())
@@ -153,13 +153,25 @@ class KeeperState:
             return [(i, r) for i, r in chain.items() if i > after]
 
     def stats(self) -> dict[str, Any]:
+        """Totals, and per rank the iterations and bytes held."""
         with self._lock:
+            chains = [
+                {
+                    **dict(key),
+                    "first": next(iter(c)),
+                    "last": next(reversed(c)),
+                    "bytes": sum(len(r) for r in c.values()),
+                }
+                for key, c in self._chains.items()
+                if c
+            ]
             return {
                 "ranks": len(self._chains),
                 "records": sum(len(c) for c in self._chains.values()),
                 "bytes": self.nbytes,
                 "memory": self.memory,
                 "evicted": self.evicted,
+                "chains": sorted(chains, key=lambda c: (c["tp_rank"], c["pp_rank"], c["dp_rank"])),
             }
 
 
@@ -179,7 +191,7 @@ class _Handler(socketserver.BaseRequestHandler):
             if op == "put" and self.server.stopping:
                 _send(self.request, {"held": False, "why": "the keeper is stopping"})
             elif op == "put":
-                held, why = state.put(req["identity"], int(req["iteration"]), bytes(payload))
+                held, why = state.put(req["identity"], int(req["iteration"]), payload)
                 _send(self.request, {"held": held, "why": why})
             elif op == "published":
                 state.published(req["identity"], int(req["iteration"]))
@@ -263,12 +275,14 @@ class KeeperClient:
         if not path:
             return None
         try:
-            return cls(path, identity)
+            client = cls(path, identity)
         except OSError as exc:
             logger.warning(
                 "keeper %s unreachable (%s): differentials go to storage only", path, exc
             )
             return None
+        logger.info("the node's keeper (%s) holds this rank's differentials too", path)
+        return client
 
     def _call(self, header: dict, payload: bytes = b"") -> tuple[dict, bytearray] | None:
         if self.lost is not None:
@@ -328,15 +342,19 @@ class KeeperClient:
             self._sock.close()
 
 
-def stop(path: str) -> dict[str, Any]:
-    """Ask the keeper at ``path`` to stop; its final stats. The launcher."""
+def query(path: str, op: str = "stats") -> dict[str, Any]:
+    """One request to the keeper at ``path`` (``stats``, ``stop``); its reply. Any process."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(KeeperClient.TIMEOUT_S)
         sock.connect(path)
-        _send(sock, {"op": "stats"})
-        stats, _ = _recv(sock)
-        _send(sock, {"op": "stop"})
-        _recv(sock)
+        _send(sock, {"op": op})
+        return _recv(sock)[0]
+
+
+def stop(path: str) -> dict[str, Any]:
+    """Ask the keeper at ``path`` to stop; its final stats. The launcher."""
+    stats = query(path)
+    query(path, "stop")
     return stats
 
 

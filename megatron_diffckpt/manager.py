@@ -57,7 +57,7 @@ from megatron_diffckpt.keeper import KeeperClient
 from megatron_diffckpt.lowdiff import LowDiffStrategy
 from megatron_diffckpt.patches import base_checkpoint, optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlusStrategy
-from megatron_diffckpt.shard_map import ShardMapError, build_shard_map, write_shard_map
+from megatron_diffckpt.shard_map import ShardMap, ShardMapRecorder, build_shard_map
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import RUN_ID_FILE, scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
@@ -163,8 +163,7 @@ class DiffCheckpointManager:
         self._published: dict[int, float] = {}  # base iteration -> when it was published
         self._published_bases: list[int] = []
         self._recovery: tuple[float, float | None, float] | None = None
-        self._shard_map_done = False
-        self._shard_map_full = False  # warned that the shard map found no room
+        self._shard_maps = ShardMapRecorder(self.rank_dir, config.when_full)
         self.last_diff_seconds = 0.0
         """Training-path time of the last differential: capture, record, hand-off."""
 
@@ -260,7 +259,7 @@ class DiffCheckpointManager:
         durable on return. An optimizer the map cannot describe (not megatron's distributed
         optimizer in the ``dp_reshardable`` format) is logged, and ``merge`` refuses the run.
         """
-        if self._shard_map_done or self.writer is None:  # no diff log, nothing to merge
+        if self._shard_maps.done or self.writer is None:  # no diff log, nothing to merge
             return
         inner = [
             i
@@ -269,8 +268,8 @@ class DiffCheckpointManager:
         ]
         if any(not i.optimizer.state for i in inner):
             return  # no step yet (or only skipped ones)
-        self._shard_map_done = True
-        try:
+
+        def build() -> ShardMap:
             sources = optimizer_layout.main_param_sources(self.optimizer)
             torch_optimizers = [
                 None if src is None else inner.optimizer
@@ -278,7 +277,7 @@ class DiffCheckpointManager:
                     optimizer_step.inner_optimizers(self.optimizer), sources, strict=True
                 )
             ]
-            shard_map = build_shard_map(
+            return build_shard_map(
                 make_sharded_state_dict(),
                 torch_optimizers,
                 sources,
@@ -286,29 +285,8 @@ class DiffCheckpointManager:
                 (self.identity.tp_rank, self.identity.pp_rank, self.identity.dp_rank),
                 parallel,
             )
-        except (ValueError, ShardMapError) as e:
-            logger.info("no shard map, `megatron-diffckpt merge` will not merge this run: %s", e)
-            return
-        try:
-            if write_shard_map(self.rank_dir, shard_map):
-                logger.debug("wrote the shard map of %s", self.identity.dirname())
-        except OSError as exc:
-            if exc.errno not in full_storage.FULL_ERRNOS:
-                raise
-            if self.config.when_full == "block":
-                raise full_storage.StorageFullError(
-                    f"the shard map of {self.rank_dir} cannot be written ({exc.strerror}): free "
-                    "space and restart with --load, or run with --diffckpt-when-full skip"
-                ) from exc
-            self._shard_map_done = False  # tried again after the next iteration
-            if not self._shard_map_full:
-                self._shard_map_full = True
-                logger.warning(
-                    "%s: no room for the shard map (%s); `megatron-diffckpt merge` needs it, "
-                    "it is written once there is space (--diffckpt-when-full skip)",
-                    self.rank_dir,
-                    exc.strerror,
-                )
+
+        self._shard_maps.record(build)
 
     def start(self, iteration: int, full_interval: int) -> None:
         """Begin capturing after ``iteration``, with bases every ``full_interval`` (F). All ranks.

@@ -16,8 +16,9 @@ optimizer's tensors by storage, so the keys and offsets are exactly those of the
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,6 +26,9 @@ import torch
 
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptError
+from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
+
+logger = logging.getLogger(__name__)
 
 SHARD_MAP_FILE = "shard_map.json"
 SHARD_MAP_FORMAT = "megatron-diffckpt-shard-map-v1"
@@ -300,6 +304,47 @@ def write_shard_map(rank_dir: str, shard_map: ShardMap) -> bool:
     os.makedirs(rank_dir, exist_ok=True)
     publish_file(path, lambda f: f.write(text.encode()))
     return True
+
+
+class ShardMapRecorder:
+    """Writes a rank's shard map once, when training has built it, and follows
+    ``--diffckpt-when-full`` when there is no room (``block``: raise; ``skip``: one warning,
+    tried again at the next call). Any rank (its own folder)."""
+
+    def __init__(self, rank_dir: str, when_full: str):
+        self.rank_dir = rank_dir
+        self.when_full = when_full
+        self.done = False
+        self._full_warned = False
+
+    def record(self, build: Callable[[], ShardMap]) -> None:
+        """Build the map (``build``) and publish it; durable on return unless it found no room."""
+        self.done = True
+        try:
+            shard_map = build()
+        except (ValueError, ShardMapError) as e:
+            logger.info("no shard map, `megatron-diffckpt merge` will not merge this run: %s", e)
+            return
+        try:
+            if write_shard_map(self.rank_dir, shard_map):
+                logger.debug("wrote the shard map of %s", os.path.basename(self.rank_dir))
+        except OSError as exc:
+            if exc.errno not in FULL_ERRNOS:
+                raise
+            if self.when_full == "block":
+                raise StorageFullError(
+                    f"the shard map of {self.rank_dir} cannot be written ({exc.strerror}): free "
+                    "space and restart with --load, or run with --diffckpt-when-full skip"
+                ) from exc
+            self.done = False  # tried again after the next iteration
+            if not self._full_warned:
+                self._full_warned = True
+                logger.warning(
+                    "%s: no room for the shard map (%s); `megatron-diffckpt merge` needs it, "
+                    "it is written once there is space (--diffckpt-when-full skip)",
+                    self.rank_dir,
+                    exc.strerror,
+                )
 
 
 def read_shard_map(rank_dir: str) -> ShardMap:

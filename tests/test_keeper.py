@@ -17,7 +17,15 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launch import REPO, RUN_TIMEOUT_S, TINY_GPT, assert_same_state, load_dumps, run_gpt
+from launch import (
+    REPO,
+    RUN_TIMEOUT_S,
+    TINY_GPT,
+    assert_same_state,
+    load_dumps,
+    run_cli,
+    run_gpt,
+)
 
 from megatron_diffckpt import recovery
 from megatron_diffckpt.keeper import KeeperClient, KeeperState, stop
@@ -93,7 +101,7 @@ def keeper(tmp_path):
     proc.wait(30)
 
 
-def test_what_a_killed_client_handed_over_is_served_back_exactly(keeper):
+def test_what_a_killed_client_handed_over_is_served_back_exactly(keeper, tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, sys, torch
@@ -118,6 +126,9 @@ def test_what_a_killed_client_handed_over_is_served_back_exactly(keeper):
     client.published(5)
     assert [r.iteration for r in client.chain(5)] == [6, 7]
     assert client.stats()["records"] == 2
+    shown = run_cli("inspect", str(tmp_path), "--keeper", keeper).stdout
+    assert f"keeper {keeper}: 2 record(s) of 1 rank(s)" in shown
+    assert "rank_0_1_1: iterations 6-7" not in shown and "rank_0_0_1: iterations 6-7" in shown
     stats = stop(keeper)
     assert stats["records"] == 2
     assert client.put(record(8)) is False and client.lost is None  # refused: it is stopping
