@@ -18,6 +18,7 @@ import torch
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.capture import ReplayTarget, replay_record, restore_rng
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
+from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
@@ -96,17 +97,28 @@ def fill_log(
     rank_dir: str, identity: SegmentIdentity, compressor: str, records: list[DiffRecord]
 ) -> None:
     """Publish ``records`` (consecutive, following the end of the rank's log) as one segment,
-    so that storage's chain reaches as far as recovery did. Any rank."""
+    so that storage's chain reaches as far as recovery did. Any rank. A full filesystem raises
+    :class:`~megatron_diffckpt.full_storage.StorageFullError` whatever ``--diffckpt-when-full``
+    says: training on would count iterations durable that storage lacks (the keeper still
+    holds them for the next attempt)."""
     if not records:
         return
     first, last = records[0].iteration, records[-1].iteration
     header = SegmentHeader(identity, compressor, first, last, len(records))
-    os.makedirs(rank_dir, exist_ok=True)
-    publish_file(
-        os.path.join(rank_dir, segment_filename(first, last)),
-        lambda f: write_segment(f, header, records),
-    )
-    fsync_dir(rank_dir)
+    try:
+        os.makedirs(rank_dir, exist_ok=True)
+        publish_file(
+            os.path.join(rank_dir, segment_filename(first, last)),
+            lambda f: write_segment(f, header, records),
+        )
+        fsync_dir(rank_dir)
+    except OSError as exc:
+        if exc.errno not in FULL_ERRNOS:
+            raise
+        raise StorageFullError(
+            f"{rank_dir} has no room for iterations {first}-{last}, recovered from the node's "
+            f"keeper ({exc.strerror}): free space and restart with --load"
+        ) from exc
     logger.info(
         "diff log: wrote iterations %d-%d, recovered from the node's keeper, to %s",
         first,

@@ -28,6 +28,7 @@ from launch import (
 )
 
 from megatron_diffckpt import recovery
+from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.keeper import KeeperClient, KeeperState, stop
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
@@ -155,6 +156,13 @@ def test_join_tiers_extends_storage_and_fill_log_makes_storage_reach_as_far(tmp_
     assert torch.equal(
         again.records[4].tensors["o0.g0.p0:dense"], record(5).tensors["o0.g0.p0:dense"]
     )
+
+
+def test_fill_log_on_a_full_filesystem_stops_in_one_line_and_leaves_nothing(tmpfs):
+    rank_dir = tmpfs("full", "64k") / ME.dirname()
+    with pytest.raises(StorageFullError, match="no room for iterations 1-2, recovered from"):
+        recovery.fill_log(str(rank_dir), ME, "identity", [record(i, n=1 << 14) for i in (1, 2)])
+    assert not any(rank_dir.iterdir())
 
 
 NODE_LAUNCHER = REPO / "examples" / "gpt" / "node_launcher.py"
