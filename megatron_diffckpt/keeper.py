@@ -176,50 +176,82 @@ class KeeperState:
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    server: _Server
+    """One connection: a rank's (Unix socket) or a peer keeper's (TCP, every request carrying
+    this keeper's token; what a peer hands over is held, never forwarded again)."""
+
+    server: _Server | _PeerServer
 
     def handle(self) -> None:
-        state = self.server.state
-        with self.server.lock:
-            self.server.connections.add(self.request)
+        server = self.server
+        state, link, from_peer = server.state, server.link, server.for_peers
+        with server.lock:
+            server.connections.add(self.request)
         while True:
             try:
                 req, payload = _recv(self.request)
             except (ConnectionError, OSError, ValueError):
                 return  # the rank went away (or died): what it put stays
             op = req.get("op")
-            if op == "put" and self.server.stopping:
+            if from_peer and (link is None or req.get("token") != link.token):
+                _send(self.request, {"error": "a peer request without this keeper's token"})
+                return
+            if op == "put" and server.stopping:
                 _send(self.request, {"held": False, "why": "the keeper is stopping"})
             elif op == "put":
                 held, why = state.put(req["identity"], int(req["iteration"]), payload)
                 _send(self.request, {"held": held, "why": why})
+                if held and link is not None and not from_peer:
+                    link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)
             elif op == "published":
                 state.published(req["identity"], int(req["iteration"]))
                 _send(self.request, {"ok": True})
+                if link is not None and not from_peer:
+                    link.forward({k: req[k] for k in ("op", "identity", "iteration")})
             elif op == "chain":
-                records = state.chain(req["identity"], int(req["after"]))
-                sizes = [[i, len(r)] for i, r in records]
-                _send(self.request, {"records": sizes}, b"".join(r for _, r in records))
+                self._chain(req, state, link, from_peer)
             elif op == "stats":
-                _send(self.request, state.stats())
-            elif op == "stop":
-                self.server.stopping = True
+                _send(self.request, server.stats())
+            elif op == "stop" and not from_peer:
+                server.stopping = True
                 _send(self.request, {"ok": True})
-                threading.Thread(target=self.server.shutdown, daemon=True).start()
+                threading.Thread(target=server.stop_all, daemon=True).start()
                 return
             else:
                 _send(self.request, {"error": f"unknown request {op!r}"})
 
+    def _chain(self, req: dict, state: KeeperState, link: Any, from_peer: bool) -> None:
+        records = state.chain(req["identity"], int(req["after"]))
+        if not records and link is not None and not from_peer:
+            # This node's keeper holds nothing of the rank (it was lost with the node): its
+            # successor's copy.
+            reply = link.chain_from_successor(req["identity"], int(req["after"]))
+            if reply is not None and reply[0].get("records"):
+                tier = f"the keeper of node {link.successor} (a peer)"
+                _send(self.request, {**reply[0], "tier": tier}, reply[1])
+                return
+        sizes = [[i, len(r)] for i, r in records]
+        _send(self.request, {"records": sizes, "tier": "the node's keeper"},
+              b"".join(r for _, r in records))  # fmt: skip
 
-class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
 
-    def __init__(self, path: str, state: KeeperState):
-        self.state = state
+class _Serving:
+    """What both servers of a keeper share: its state, its ring link, its connections."""
+
+    def setup_keeper(self, state: KeeperState, link: Any, for_peers: bool) -> None:
+        self.state, self.link, self.for_peers = state, link, for_peers
         self.stopping = False
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
-        super().__init__(path, _Handler)
+        self.stop_all: Any = None  # set by serve()
+
+    def stats(self) -> dict[str, Any]:
+        out = self.state.stats()
+        if self.link is not None:
+            out["peer"] = {"successor": self.link.successor, "dropped": self.link.dropped}
+            for c in out["chains"]:
+                key = tuple(sorted((k, c[k]) for k in _IDENTITY_FIELDS))
+                c["peer_last"] = self.link.peer_last.get(key)
+        return out
 
     def close_connections(self) -> None:
         """End every client's connection: their next call finds the keeper gone."""
@@ -231,19 +263,80 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                     pass
 
 
-def serve(path: str, memory: int, ready: threading.Event | None = None) -> KeeperState:
-    """Serve on the Unix socket ``path`` until a ``stop`` request; the final state."""
+_IDENTITY_FIELDS = ("run_id", "tp_rank", "pp_rank", "dp_rank", "layout_hash")
+
+
+class _Server(_Serving, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, state: KeeperState, link: Any = None):
+        self.setup_keeper(state, link, for_peers=False)
+        super().__init__(path, _Handler)
+
+
+class _PeerServer(_Serving, socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, host: str, state: KeeperState):
+        self.setup_keeper(state, None, for_peers=True)
+        super().__init__((host, 0), _Handler)
+
+
+def serve(
+    path: str,
+    memory: int,
+    ready: threading.Event | None = None,
+    peers: dict[str, Any] | None = None,
+) -> KeeperState:
+    """Serve on the Unix socket ``path`` until a ``stop`` request; the final state.
+
+    ``peers`` (``folder``, ``node``, ``nnodes``, ``host``): also serve the ring's peers on TCP
+    and copy every record to the next node's keeper (:mod:`~megatron_diffckpt.keeper_peers`).
+    """
+    from megatron_diffckpt.keeper_peers import PeerLink
+
     state = KeeperState(memory)
-    server = _Server(path, state)
+    servers: list[Any] = []
+    link = None
+    if peers is not None and peers["nnodes"] > 1:
+        tcp = _PeerServer(peers.get("bind", "0.0.0.0"), state)
+        port = tcp.server_address[1]
+        link = PeerLink(peers["folder"], peers["node"], peers["nnodes"], peers["host"], port,
+                        _send, _recv)  # fmt: skip
+        tcp.link = link
+        servers.append(tcp)
+        logger.info(
+            "keeper: node %d of %d, copies to node %d, peers reach it at %s:%d",
+            peers["node"],
+            peers["nnodes"],
+            link.successor,
+            peers["host"],
+            port,
+        )
+    local = _Server(path, state, link)
     os.chmod(path, 0o600)
+    servers.insert(0, local)
+
+    def stop_all() -> None:
+        for server in servers:
+            server.shutdown()
+
+    for server in servers:
+        server.stop_all = stop_all
+    for server in servers[1:]:
+        threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
     logger.info("keeper: listening on %s, memory cap %.1f MiB", path, memory / 2**20)
     if ready is not None:
         ready.set()
     try:
-        server.serve_forever(poll_interval=0.2)
+        local.serve_forever(poll_interval=0.2)
     finally:
-        server.close_connections()
-        server.server_close()
+        for server in servers:
+            server.close_connections()
+            server.server_close()
+        if link is not None:
+            link.close()
         if os.path.exists(path):
             os.remove(path)
     return state
@@ -262,6 +355,8 @@ class KeeperClient:
         self.lost: str | None = None
         self.held_iteration = -1
         """The newest iteration the keeper acknowledged."""
+        self.served_by = "the node's keeper"
+        """Who served the last :meth:`chain`: this node's keeper, or a peer's copy."""
         self._refused_warned = False
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -323,6 +418,7 @@ class KeeperClient:
         reply = self._call({"op": "chain", "after": after})
         if reply is None:
             return []
+        self.served_by = reply[0].get("tier", self.served_by)
         records: list[DiffRecord] = []
         try:
             for record in iter_records(io.BytesIO(reply[1])):
@@ -362,12 +458,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--socket", required=True, help="the Unix socket to serve on")
     parser.add_argument("--memory-mib", type=float, required=True, help="memory cap (MiB)")
+    parser.add_argument("--peers", default=None, help="the ring's folder (see keeper_peers)")
+    parser.add_argument("--node", type=int, default=0, help="this node's rank in the ring")
+    parser.add_argument("--nnodes", type=int, default=1, help="the number of nodes")
+    parser.add_argument(
+        "--host", default=socket.gethostname(), help="the address peers reach this node at"
+    )
     args = parser.parse_args(argv)
     if args.memory_mib <= 0:
         parser.error(f"--memory-mib must be positive, got {args.memory_mib}")
+    if not 0 <= args.node < args.nnodes:
+        parser.error(f"--node {args.node} is not one of the {args.nnodes} node(s)")
     logging.basicConfig(level=logging.INFO, format="[keeper] %(message)s", stream=sys.stderr)
     started = time.perf_counter()
-    state = serve(args.socket, int(args.memory_mib * 2**20))
+    peers = None
+    if args.peers is not None:
+        peers = {"folder": args.peers, "node": args.node, "nnodes": args.nnodes}
+        peers["host"] = args.host
+    state = serve(args.socket, int(args.memory_mib * 2**20), peers=peers)
     s = state.stats()
     logger.info(
         "keeper: stopped after %.0f s, holding %d record(s) of %d rank(s), %.1f of %.1f MiB, "

@@ -186,7 +186,7 @@ class DiffCheckpointManager:
         start = time.perf_counter()
         kept = self.keeper.chain(scan.last_iteration) if self.keeper is not None else []
         kept_s = time.perf_counter() - start
-        chain = recovery.join_tiers(scan, kept)
+        chain = recovery.join_tiers(scan, kept, self.keeper.served_by if kept else "")
         target = recovery.agree_on_iteration(chain)
         records = [r for r in chain.records if r.iteration <= target]
         logger.info(

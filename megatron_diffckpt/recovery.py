@@ -64,6 +64,8 @@ class TieredChain:
     """Consecutive iterations from the base's next on."""
     stored: int
     """The last iteration of storage's chain (the base's own when it holds none)."""
+    kept_by: str = "the node's keeper"
+    """Who served the records after ``stored``."""
 
     @property
     def last_iteration(self) -> int:
@@ -76,13 +78,16 @@ class TieredChain:
         if first <= min(self.stored, target):
             parts.append(f"{first}-{min(self.stored, target)} from the diff log")
         if target > self.stored:
-            parts.append(f"{self.stored + 1}-{target} from the node's keeper")
+            parts.append(f"{self.stored + 1}-{target} from {self.kept_by}")
         return ", ".join(parts) or "nothing to replay"
 
 
-def join_tiers(scan: RankLogScan, kept: list[DiffRecord]) -> TieredChain:
+def join_tiers(
+    scan: RankLogScan, kept: list[DiffRecord], kept_by: str = "the node's keeper"
+) -> TieredChain:
     """Storage's chain (``scan``) extended by the keeper's consecutive records after it
-    (``kept``, from any iteration on; what both hold is taken from storage). Any rank."""
+    (``kept``, from any iteration on, served by ``kept_by``; what both hold is taken from
+    storage). Any rank."""
     records, expected = list(scan.records), scan.last_iteration + 1
     for record in kept:
         if record.iteration > expected:
@@ -90,7 +95,7 @@ def join_tiers(scan: RankLogScan, kept: list[DiffRecord]) -> TieredChain:
         if record.iteration == expected:
             records.append(record)
             expected += 1
-    return TieredChain(records, scan.last_iteration)
+    return TieredChain(records, scan.last_iteration, kept_by)
 
 
 def fill_log(

@@ -4,9 +4,11 @@ made durable from the keeper, and the run ends bit-identical to an uninterrupted
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -29,7 +31,7 @@ from launch import (
 
 from megatron_diffckpt import recovery
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import KeeperClient, KeeperState, stop
+from megatron_diffckpt.keeper import KeeperClient, KeeperState, _recv, _send, query, stop
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
 
@@ -85,15 +87,21 @@ def test_state_evicts_the_oldest_of_the_longest_chain_and_refuses_what_cannot_fi
     assert not ok and "exceeds the cap" in why
 
 
-@pytest.fixture
-def keeper(tmp_path):
-    sock = str(tmp_path / "keeper.sock")
+def start_keeper(sock: str, *extra: str) -> subprocess.Popen:
+    """A keeper process on ``sock`` (8 MiB), once it listens."""
     cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
-    proc = subprocess.Popen([*cmd, "--memory-mib", "8"], cwd=REPO, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([*cmd, "--memory-mib", "8", *extra], cwd=REPO, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.05)
+    return proc
+
+
+@pytest.fixture
+def keeper(tmp_path):
+    sock = str(tmp_path / "keeper.sock")
+    proc = start_keeper(sock)
     yield sock
     try:
         stop(sock)
@@ -132,12 +140,77 @@ def test_what_a_killed_client_handed_over_is_served_back_exactly(keeper, tmp_pat
     assert "rank_0_1_1: iterations 6-7" not in shown and "rank_0_0_1: iterations 6-7" in shown
     stats = stop(keeper)
     assert stats["records"] == 2
-    assert client.put(record(8)) is False and client.lost is None  # refused: it is stopping
+    assert client.put(record(8)) is False  # refused while it stops, or it is gone already
     deadline = time.monotonic() + 30
     while os.path.exists(keeper):  # removed once it stopped
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert client.put(record(8)) is False and client.lost  # gone: storage only
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_node_lost_whole_recovers_from_the_peer_keepers_copy(tmp_path):
+    """Two keepers in a ring (nodes 0 and 1 on loopback): node 1's records are copied to node
+    0's keeper; node 1's keeper is SIGKILLed, a fresh one serves its ranks node 0's copy, bit
+    for bit; a base published through the fresh one reaches the copy; a peer request without
+    the receiver's token is refused."""
+    peers = str(tmp_path / "peers")
+    ring = ["--peers", peers, "--nnodes", "2", "--host", "127.0.0.1"]
+    a = start_keeper(str(tmp_path / "a.sock"), *ring, "--node", "0")
+    b = start_keeper(str(tmp_path / "b.sock"), *ring, "--node", "1")
+    other = SegmentIdentity("run", 0, 0, 0, "layout")
+    try:
+        on_b, on_a = (
+            KeeperClient(str(tmp_path / "b.sock"), ME),
+            KeeperClient(str(tmp_path / "a.sock"), other),
+        )
+        for i in range(1, 8):
+            assert on_b.put(record(i))
+        for i in range(1, 4):
+            assert on_a.put(record(i))
+
+        def copied(path, rank, last):
+            chains = query(path)["chains"]
+            return any(c["dp_rank"] == rank and c.get("peer_last") == last for c in chains)
+
+        _wait_for(lambda: copied(str(tmp_path / "b.sock"), 1, 7), "node 1's copy at node 0")
+        _wait_for(lambda: copied(str(tmp_path / "a.sock"), 0, 3), "node 0's copy at node 1")
+        b.send_signal(signal.SIGKILL)
+        b.wait(30)
+        fresh = start_keeper(str(tmp_path / "b2.sock"), *ring, "--node", "1")
+        try:
+            client = KeeperClient(str(tmp_path / "b2.sock"), ME)
+            chain = client.chain(2)
+            assert [r.iteration for r in chain] == [3, 4, 5, 6, 7]
+            assert client.served_by == "the keeper of node 0 (a peer)"
+            for r in chain:
+                expected = record(r.iteration).tensors["o0.g0.p0:dense"]
+                assert torch.equal(r.tensors["o0.g0.p0:dense"], expected)
+            client.published(5)
+            _wait_for(
+                lambda: [c["first"] for c in query(str(tmp_path / "a.sock"))["chains"]
+                         if c["dp_rank"] == 1] == [6],
+                "the published base at the copy",
+            )  # fmt: skip
+            assert [r.iteration for r in on_a.chain(0)] == [1, 2, 3]  # its own, untouched
+        finally:
+            stop(str(tmp_path / "b2.sock"))
+            fresh.wait(30)
+        doc = json.loads((tmp_path / "peers" / "keeper_0.json").read_text())
+        with socket.create_connection((doc["host"], doc["port"]), timeout=30) as sock:
+            _send(sock, {"op": "chain", "identity": ME_DICT, "after": 0, "token": "guess"})
+            assert "token" in _recv(sock)[0]["error"]
+    finally:
+        stop(str(tmp_path / "a.sock"))
+        a.wait(30)
+        if b.poll() is None:
+            b.kill()
 
 
 def test_join_tiers_extends_storage_and_fill_log_makes_storage_reach_as_far(tmp_path):

@@ -14,7 +14,9 @@ exited.
 (:mod:`megatron_diffckpt.keeper`) with that memory cap before torchrun, and stops it after: it
 holds every differential the ranks hand it, so that ranks restarted by torchrun
 (``--max-restarts``) recover what storage had not made durable yet, from memory. The ranks find
-it through ``DIFFCKPT_KEEPER``.
+it through ``DIFFCKPT_KEEPER``. ``--diffckpt-keeper-peers DIR`` (a folder every node sees) puts
+the keepers of the job's nodes in a ring, each copying to the next node's
+(:mod:`megatron_diffckpt.keeper_peers`), so that a node lost whole recovers from its successor.
 """
 
 from __future__ import annotations
@@ -31,35 +33,67 @@ import time
 import psutil
 
 KEEPER_FLAG = "--diffckpt-keeper-memory"
+PEERS_FLAG = "--diffckpt-keeper-peers"
 KEEPER_START_S = 60.0
 
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def keeper_memory(argv: list[str]) -> tuple[float | None, list[str]]:
-    """``(MiB, torchrun's arguments)`` from this launcher's leading ``KEEPER_FLAG``."""
-    if argv and argv[0].startswith(KEEPER_FLAG + "="):
-        value, rest = argv[0].split("=", 1)[1], argv[1:]
-    elif argv and argv[0] == KEEPER_FLAG:
-        if len(argv) < 2:
-            raise SystemExit(f"node_launcher: {KEEPER_FLAG} needs a value in MiB")
-        value, rest = argv[1], argv[2:]
-    else:
-        return None, argv
-    try:
-        mib = float(value)
-    except ValueError:
-        mib = -1.0
-    if mib <= 0:
-        raise SystemExit(f"node_launcher: {KEEPER_FLAG} takes a positive size in MiB, got {value}")
-    return mib, rest
+def launcher_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """This launcher's leading ``--diffckpt-keeper-*`` flags (``FLAG VALUE`` or
+    ``FLAG=VALUE``), and torchrun's arguments after them."""
+    opts: dict[str, str] = {}
+    while argv and argv[0].split("=", 1)[0] in (KEEPER_FLAG, PEERS_FLAG):
+        flag, _, value = argv[0].partition("=")
+        if not value:
+            if len(argv) < 2:
+                raise SystemExit(f"node_launcher: {flag} needs a value")
+            value, argv = argv[1], argv[1:]
+        opts[flag], argv = value, argv[1:]
+    if PEERS_FLAG in opts and KEEPER_FLAG not in opts:
+        raise SystemExit(f"node_launcher: {PEERS_FLAG} needs {KEEPER_FLAG} (the keeper's cap)")
+    if KEEPER_FLAG in opts:
+        try:
+            mib = float(opts[KEEPER_FLAG])
+        except ValueError:
+            mib = -1.0
+        if mib <= 0:
+            raise SystemExit(
+                f"node_launcher: {KEEPER_FLAG} takes a positive size in MiB, got "
+                f"{opts[KEEPER_FLAG]}"
+            )
+    return opts, argv
 
 
-def start_keeper(mib: float) -> tuple[subprocess.Popen, str]:
-    """The node's keeper, listening on a socket in a fresh private folder."""
+def node_of(argv: list[str]) -> tuple[int, int]:
+    """``(node rank, nodes)`` of this launch: torchrun's ``--node-rank`` and ``--nnodes`` (the
+    largest of a range), else Slurm's ``SLURM_NODEID`` and ``SLURM_NNODES``, else ``(0, 1)``."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py"):
+            break  # the training script: its flags are not torchrun's
+        flag, _, value = arg.partition("=")
+        flag = flag.replace("_", "-")
+        if flag in ("--node-rank", "--nnodes"):
+            found[flag] = value or (argv[i + 1] if i + 1 < len(argv) else "")
+    rank = found.get("--node-rank", os.environ.get("SLURM_NODEID", "0"))
+    nnodes = found.get("--nnodes", os.environ.get("SLURM_NNODES", "1")).split(":")[-1]
+    return int(rank), int(nnodes)
+
+
+def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Popen, str]:
+    """The node's keeper, listening on a socket in a fresh private folder; with
+    ``PEERS_FLAG``, in the job's ring of keepers (advertised at ``DIFFCKPT_KEEPER_HOST``,
+    default this host's name)."""
     sock = os.path.join(tempfile.mkdtemp(prefix="diffckpt-keeper-"), "socket")
     cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
-    keeper = subprocess.Popen([*cmd, "--memory-mib", str(mib)])
+    cmd += ["--memory-mib", opts[KEEPER_FLAG]]
+    if PEERS_FLAG in opts:
+        node, nnodes = node_of(argv)
+        cmd += ["--peers", opts[PEERS_FLAG], "--node", str(node), "--nnodes", str(nnodes)]
+        if os.environ.get("DIFFCKPT_KEEPER_HOST"):
+            cmd += ["--host", os.environ["DIFFCKPT_KEEPER_HOST"]]
+    keeper = subprocess.Popen(cmd)
     deadline = time.monotonic() + KEEPER_START_S
     while not os.path.exists(sock):
         if keeper.poll() is not None or time.monotonic() > deadline:
@@ -85,14 +119,14 @@ def main(argv: list[str]) -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
     except (AttributeError, OSError):
         pass  # not Linux: orphans are reparented to init, as without this launcher
-    mib, argv = keeper_memory(argv)
+    opts, argv = launcher_options(argv)
     keeper, env = None, dict(os.environ)
     # torchrun shares its rendezvous store with the ranks' process groups by default; a restart
     # (--max-restarts) then can read the previous attempt's addresses and fail to connect
     # (pytorch/pytorch#135712): each attempt's ranks get a store of their own instead.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if mib is not None:
-        keeper, env["DIFFCKPT_KEEPER"] = start_keeper(mib)
+    if KEEPER_FLAG in opts:
+        keeper, env["DIFFCKPT_KEEPER"] = start_keeper(opts, argv)
     torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env)
 
     def forward(signum, _frame):  # scancel / preemption reach torchrun, which stops the ranks
