@@ -17,8 +17,11 @@ job's shared storage, e.g. beside ``--save``), where each keeper publishes ``kee
 only a process that can read the folder (the job's user) can hand a keeper records or read them.
 The copy is asynchronous: a rank's ``put`` returns once its own keeper holds the record; the
 newest iteration the successor acknowledged is ``peer_last`` in the keeper's stats. A successor
-that is not up yet or went away: records wait (bounded) and are dropped with one warning once
-the queue is full; the sender reconnects, re-reading the folder, for the next record.
+that is not up yet or went away: each record is tried twice, each time waiting up to
+``CONNECT_S`` for it (reconnecting, re-reading the folder: a restarted successor has a new
+address and token), then dropped, as are records beyond ``QUEUE`` waiting; the first drop is
+warned about (the copy then has a gap, and a lost node recovers from storage until the next
+base).
 
 Which processes call: the keeper process only (its server threads and its sender thread).
 """
@@ -127,16 +130,21 @@ class PeerLink:
             if item is None:
                 break
             header, payload = item
-            try:
-                if self._sock is None:
-                    self._sock = self._connect(timeout=CONNECT_S)
-                self._send(self._sock, self._header(header), payload)
-                reply, _ = self._recv(self._sock)
-            except (OSError, ConnectionError, ValueError) as exc:
-                if self._sock is not None:
-                    self._sock.close()
-                self._sock = None
-                self._dropped(str(exc))
+            reply = None
+            for attempt in range(2):  # a connection to a successor that restarted is stale
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect(timeout=CONNECT_S)
+                    self._send(self._sock, self._header(header), payload)
+                    reply, _ = self._recv(self._sock)
+                    break
+                except (OSError, ConnectionError, ValueError) as exc:
+                    if self._sock is not None:
+                        self._sock.close()
+                    self._sock = None
+                    if attempt == 1:
+                        self._dropped(str(exc))
+            if reply is None:
                 continue
             if header["op"] == "put" and reply.get("held"):
                 key = tuple(sorted(header["identity"].items()))

@@ -314,3 +314,72 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path):
         assert resumed[rank]["losses"] == straight[rank]["losses"][recovered:]
         assert_same_state(straight[rank], resumed[rank], rank)
     assert "keeper: stopped after" in log
+
+
+@pytest.mark.distributed
+def test_two_nodes_one_lost_whole_recovers_from_the_peer_exactly(tmp_path):
+    """One machine as two nodes: two node launchers (``--nnodes 2``, c10d rendezvous on
+    loopback, one rank each), each with its keeper, in a ring. Node 1 is SIGKILLed whole
+    (launcher, keeper, torchrun's agent, rank) after iteration 11, with storage at 8; node 0's
+    rank fails and torchrun restarts it; node 1 comes back with a fresh, empty keeper. Both
+    ranks recover past storage's end: rank 0 from its node's keeper, rank 1 from node 0's copy
+    (its fresh keeper holds nothing). The run ends equal to an uninterrupted one."""
+    total, kill_after = 40, 11
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
+    common += ["--train-iters", str(total)]
+    run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
+    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
+    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "1000"]
+    diff += ["--dump-state", str(tmp_path / "resumed")]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env["DIFFCKPT_KEEPER_HOST"] = "127.0.0.1"
+    port = _free_port()
+
+    def node(rank: int) -> tuple[subprocess.Popen, Path]:
+        cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64"]
+        cmd += ["--diffckpt-keeper-peers", str(tmp_path / "peers")]
+        cmd += ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        cmd += ["--rdzv-id", "two-nodes", "--max-restarts", "2", str(PRETRAIN_GPT)]
+        log = tmp_path / f"node{rank}.log"
+        with open(log, "a") as out:
+            proc = subprocess.Popen([*cmd, *common, *diff], cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+        return proc, log
+
+    first, log0 = node(0)
+    second, log1 = node(1)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while f" {kill_after}/" not in log0.read_text():
+            assert time.monotonic() < deadline and first.poll() is None, log0.read_text()[-3000:]
+            time.sleep(0.05)
+        whole = psutil.Process(second.pid)
+        for p in [*whole.children(recursive=True), whole]:
+            p.send_signal(signal.SIGKILL)
+        second.wait(30)
+        second, _ = node(1)
+        assert first.wait(RUN_TIMEOUT_S) == 0, log0.read_text()[-4000:]
+        assert second.wait(RUN_TIMEOUT_S) == 0, log1.read_text()[-4000:]
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+    text = log0.read_text()
+    recovered = int(re.search(r"recovered to iteration (\d+)", text)[1])
+    assert recovered >= kill_after, text[-4000:]
+    assert f"1-8 from the diff log, 9-{recovered} from the node's keeper" in text
+    # Rank 1's storage held 8; its fresh keeper nothing: 9-T came from node 0's copy, and were
+    # written back to its log.
+    assert (ckpt / "diffckpt" / "rank_0_0_1" / f"seg_0000000009_{recovered:010d}.bin").exists()
+    straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
+    for rank in range(2):
+        assert resumed[rank]["losses"] == straight[rank]["losses"][recovered:]
+        assert_same_state(straight[rank], resumed[rank], rank)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
