@@ -317,65 +317,121 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path):
 
 
 @pytest.mark.distributed
-def test_two_nodes_one_lost_whole_recovers_from_the_peer_exactly(tmp_path):
+def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
     """One machine as two nodes: two node launchers (``--nnodes 2``, c10d rendezvous on
-    loopback, one rank each), each with its keeper, in a ring. Node 1 is SIGKILLed whole
-    (launcher, keeper, torchrun's agent, rank) after iteration 11, with storage at 8; node 0's
-    rank fails and torchrun restarts it; node 1 comes back with a fresh, empty keeper. Both
-    ranks recover past storage's end: rank 0 from its node's keeper, rank 1 from node 0's copy
-    (its fresh keeper holds nothing). The run ends equal to an uninterrupted one."""
-    total, kill_after = 40, 11
+    loopback, hosted by node 0; one rank each, which node runs rank 0 is the rendezvous's
+    choice), each with its keeper, in a ring. Batches larger than the run: storage holds only
+    the base at 0 and what recoveries write back, so every tier's part is exact. Three faults,
+    each by SIGKILL:
+
+    1. after iteration 11, both ranks only: torchrun restarts them, they recover 1-T1 from their
+       nodes' keepers (and write them back to storage);
+    2. after iteration 21, node 1 whole (launcher, keeper, torchrun's agent, rank), started
+       again with a fresh, empty keeper: node 0's rank recovers T1+1-T2 from its keeper, node
+       1's from node 0's copy; both write them back;
+    3. after iteration 31, everything, both nodes started again: fresh keepers hold nothing,
+       recovery comes from storage alone, exactly to T2.
+
+    The run ends equal to an uninterrupted one (``torch.equal``, state and losses)."""
+    total = 40
     ckpt = tmp_path / "ckpt"
     common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
     common += ["--train-iters", str(total)]
     run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
-    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
+    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "1000", "--save", str(ckpt)]
     diff += ["--load", str(ckpt), "--diffckpt-full-interval", "1000"]
     diff += ["--dump-state", str(tmp_path / "resumed")]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env["DIFFCKPT_KEEPER_HOST"] = "127.0.0.1"
     port = _free_port()
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
 
-    def node(rank: int) -> tuple[subprocess.Popen, Path]:
+    def node(rank: int) -> subprocess.Popen:
         cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64"]
         cmd += ["--diffckpt-keeper-peers", str(tmp_path / "peers")]
         cmd += ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"]
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-        cmd += ["--rdzv-id", "two-nodes", "--max-restarts", "2", str(PRETRAIN_GPT)]
-        log = tmp_path / f"node{rank}.log"
-        with open(log, "a") as out:
-            proc = subprocess.Popen([*cmd, *common, *diff], cwd=REPO, env=env, stdout=out,
+        cmd += ["--rdzv-id", "two-nodes", "--max-restarts", "3", str(PRETRAIN_GPT)]
+        with open(logs[rank], "a") as out:
+            return subprocess.Popen([*cmd, *common, *diff], cwd=REPO, env=env, stdout=out,
                                     stderr=subprocess.STDOUT)  # fmt: skip
-        return proc, log
 
-    first, log0 = node(0)
-    second, log1 = node(1)
-    try:
+    def text() -> str:
+        return "".join(log.read_text() for log in logs if log.exists())
+
+    def logged(iteration: int, nodes: list[subprocess.Popen]) -> None:
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while f" {kill_after}/" not in log0.read_text():
-            assert time.monotonic() < deadline and first.poll() is None, log0.read_text()[-3000:]
+        while f" {iteration}/" not in text():
+            alive = all(n.poll() is None for n in nodes)
+            assert time.monotonic() < deadline and alive, text()[-4000:]
             time.sleep(0.05)
-        whole = psutil.Process(second.pid)
-        for p in [*whole.children(recursive=True), whole]:
-            p.send_signal(signal.SIGKILL)
-        second.wait(30)
-        second, _ = node(1)
-        assert first.wait(RUN_TIMEOUT_S) == 0, log0.read_text()[-4000:]
-        assert second.wait(RUN_TIMEOUT_S) == 0, log1.read_text()[-4000:]
+
+    def kill(processes: list[psutil.Process]) -> None:
+        for p in processes:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+
+    def whole(launcher: subprocess.Popen) -> list[psutil.Process]:
+        top = psutil.Process(launcher.pid)
+        return [*top.children(recursive=True), top]
+
+    def started(first: subprocess.Popen) -> list[subprocess.Popen]:
+        """Node 0, then node 1 once node 0's agent serves the rendezvous: the node that hosts
+        torchrun's rendezvous store is the one a job cannot lose (torchrun's limit)."""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return [first, node(1)]
+            except OSError:
+                assert time.monotonic() < deadline and first.poll() is None, text()[-3000:]
+                time.sleep(0.1)
+
+    nodes = started(node(0))
+    try:
+        logged(11, nodes)  # 1. the ranks only
+        kill([r for n in nodes for r in _ranks_of(psutil.Process(n.pid))])
+        logged(21, nodes)  # 2. node 1 whole
+        # What node 0's keeper holds of both ranks (its own, and its copy of node 1's) when
+        # node 1 dies: none of it may be lost.
+        sock = re.findall(r"keeper: listening on (\S+), memory cap", logs[0].read_text())[-1]
+        held = min(c["last"] for c in query(sock)["chains"])
+        kill(whole(nodes[1]))
+        nodes[1].wait(30)
+        nodes[1] = node(1)
+        logged(31, nodes)  # 3. everything
+        kill([p for n in nodes for p in whole(n)])
+        for n in nodes:
+            n.wait(30)
+        nodes = started(node(0))
+        for n in nodes:
+            assert n.wait(RUN_TIMEOUT_S) == 0, text()[-4000:]
     finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                proc.kill()
-    text = log0.read_text()
-    recovered = int(re.search(r"recovered to iteration (\d+)", text)[1])
-    assert recovered >= kill_after, text[-4000:]
-    assert f"1-8 from the diff log, 9-{recovered} from the node's keeper" in text
-    # Rank 1's storage held 8; its fresh keeper nothing: 9-T came from node 0's copy, and were
-    # written back to its log.
-    assert (ckpt / "diffckpt" / "rank_0_0_1" / f"seg_0000000009_{recovered:010d}.bin").exists()
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    # Rank 0 logs the recoveries (on whichever node it ran): in time order.
+    found = re.findall(
+        r"\[rank0\] (\d\d:\d\d:\d\d) recovery: base at iteration 0, \d+ differential\(s\) to "
+        r"replay, recovering to iteration (\d+) \(.*?\): (.*)",
+        text(),
+    )
+    (t1, served1), (t2, served2), (t3, served3) = [(int(t), s) for _, t, s in sorted(found)]
+    assert t1 >= 11 and served1 == f"1-{t1} from the node's keeper", found
+    mine, peer = "the node's keeper", "the keeper of node 0 (a peer)"
+    assert t2 >= max(held, t1 + 1) and served2.split(", ")[-1] in (
+        f"{t1 + 1}-{t2} from {mine}",
+        f"{t1 + 1}-{t2} from {peer}",
+    ), found
+    assert t3 == t2 and served3 == f"1-{t2} from the diff log", found  # storage alone
+    for rank_dir in ("rank_0_0_0", "rank_0_0_1"):  # what each recovery wrote back
+        written = sorted(p.name for p in (ckpt / "diffckpt" / rank_dir).glob("seg_*"))
+        assert written[:2] == [f"seg_0000000001_{t1:010d}.bin", f"seg_{t1 + 1:010d}_{t2:010d}.bin"]
     straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
     for rank in range(2):
-        assert resumed[rank]["losses"] == straight[rank]["losses"][recovered:]
+        assert resumed[rank]["losses"] == straight[rank]["losses"][t3:]
         assert_same_state(straight[rank], resumed[rank], rank)
 
 
