@@ -13,6 +13,8 @@ with overlapped gradient reduction:
 - ``topk``: the top-k (1%) compressed exchange, no checkpoints: LowDiff's baseline;
 - ``lowdiff_b1`` / ``lowdiff_b8``: ``topk`` with a differential every iteration, written in
   batches of 1 and 8 iterations;
+- ``lowdiff_b8_keeper``: ``lowdiff_b8`` under the node launcher with the node's keeper, which
+  holds every differential in memory that outlives the ranks (its cost: the hand-over);
 - ``stock_sync`` / ``stock_async``: ``topk`` with a stock ``dist_checkpointing`` save (model,
   optimizer, residuals, RNG, scheduler) every iteration, synchronous and asynchronous.
 
@@ -63,6 +65,8 @@ sys.path.insert(0, str(REPO))
 from megatron_diffckpt.storage.reader import list_segments, read_segment  # noqa: E402
 
 PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
+NODE_LAUNCHER = REPO / "examples" / "gpt" / "node_launcher.py"
+KEEPER_MIB = "2048"  # the keeper's cap: it holds every record of the measured window
 RESULTS = REPO / "benchmarks" / "results"
 NPROC = 2
 WARMUP = 3
@@ -118,6 +122,7 @@ def configs(ckpt: str) -> dict[str, list[str]]:
         "topk": TOPK,
         "lowdiff_b1": [*lowdiff, "--diffckpt-batch-size", "1"],
         "lowdiff_b8": [*lowdiff, "--diffckpt-batch-size", "8"],
+        "lowdiff_b8_keeper": [*lowdiff, "--diffckpt-batch-size", "8"],  # run(keeper=True)
         "stock_sync": stock,
         "stock_async": [*stock, "--async-save"],
     }
@@ -129,10 +134,14 @@ ITER_LINE = re.compile(
 )
 
 
-def run(args: list[str], log: Path) -> tuple[str, float]:
-    """Train with ``args`` on NPROC processes; the rank-0 log and the wall time."""
+def run(args: list[str], log: Path, keeper: bool = False) -> tuple[str, float]:
+    """Train with ``args`` on NPROC processes; the rank-0 log and the wall time. ``keeper``:
+    under the node launcher with the node's keeper (``KEEPER_MIB``)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if keeper:
+        cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", KEEPER_MIB]
+        cmd += ["--standalone"]
     cmd += [f"--nproc-per-node={NPROC}", str(PRETRAIN_GPT), *args]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -196,7 +205,7 @@ def measured(per_iteration: dict[int, float], total: int) -> list[float]:
 
 # At the sweep's larger sizes: the rows that show how LowDiff's cost grows, without the
 # synchronous save (it costs what the asynchronous one does plus the wait).
-SWEEP_CONFIGS = ("dense", "topk", "lowdiff_b1", "lowdiff_b8", "stock_async")
+SWEEP_CONFIGS = ("dense", "topk", "lowdiff_b1", "lowdiff_b8", "lowdiff_b8_keeper", "stock_async")
 
 
 def measure_overhead(
@@ -211,7 +220,7 @@ def measure_overhead(
         ckpt = work / f"ckpt_{name}"
         shutil.rmtree(ckpt, ignore_errors=True)
         args = [*model, "--train-iters", str(total), *configs(str(ckpt))[name]]
-        text, _ = run(args, work / f"{name}_{round_}.log")
+        text, _ = run(args, work / f"{name}_{round_}.log", keeper=name.endswith("_keeper"))
         per_run[name].append(statistics.median(measured(iteration_times(text), total)))
         diffs = diff_times(text)
         if diffs:
@@ -244,6 +253,17 @@ def measure_overhead(
     summary = {
         "lowdiff_b1_overhead": ld,
         "lowdiff_b8_overhead": rows["lowdiff_b8"]["overhead_vs_topk"],
+        **(
+            {
+                "keeper_over_lowdiff_b8": rows["lowdiff_b8_keeper"]["iteration_s"]
+                / rows["lowdiff_b8"]["iteration_s"]
+                - 1.0,
+                "keeper_diff_time_added_s": rows["lowdiff_b8_keeper"]["diff_time_s"]
+                - rows["lowdiff_b8"]["diff_time_s"],
+            }
+            if "lowdiff_b8_keeper" in rows
+            else {}
+        ),
         "lowdiff_b1_diff_time_share": rows["lowdiff_b1"]["diff_time_share"],
         "topk_run_spread": (max(per_run["topk"]) - min(per_run["topk"])) / base,
         **(
@@ -374,12 +394,14 @@ def plot(result: dict, path: Path) -> None:
         lines = {
             "lowdiff_b1": "LowDiff B=1",
             "lowdiff_b8": "LowDiff B=8",
+            "lowdiff_b8_keeper": "LowDiff B=8 + node's keeper",
             "stock_async": "stock async save",
             "dense": "dense exchange",
         }
         for row, label in lines.items():
-            overhead = [100 * sizes[n]["rows"][row]["overhead_vs_topk"] for n in names]
-            ax.plot(names, overhead, "o-", label=label)
+            have = [n for n in names if row in sizes[n]["rows"]]
+            overhead = [100 * sizes[n]["rows"][row]["overhead_vs_topk"] for n in have]
+            ax.plot(have, overhead, "o-", label=label)
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_xlabel("model size (parameters)")
         ax.set_ylabel("overhead vs topk, no checkpoint (%)")
