@@ -109,9 +109,11 @@ def test_patch_set_applies_nothing_when_one_member_drifted():
 
 
 def test_base_files_are_written_without_the_zip_crc_and_the_switch_comes_back():
-    """LowDiff+ base files skip torch.save's zip CRC-32 (no loader checks it); torch.load reads
-    them exactly, and the process-wide switch is restored, also when the write fails."""
+    """LowDiff+ base files skip torch.save's zip CRC-32 (no loader checks it): in the writing
+    thread only; torch.load reads them exactly, and the switch is restored, also when the write
+    fails."""
     import io
+    import threading
     import zipfile
 
     import torch
@@ -124,15 +126,49 @@ def test_base_files_are_written_without_the_zip_crc_and_the_switch_comes_back():
         return buf
 
     t = torch.randn(1000)
+    elsewhere = {}
+
+    def other_thread():
+        elsewhere["buf"] = saved(t)
+
     assert torch.serialization.get_crc32_options()
     with _without_zip_crc32():
         buf = saved(t)
+        thread = threading.Thread(target=other_thread)  # torch's switch is per thread
+        thread.start()
+        thread.join()
     assert torch.serialization.get_crc32_options()
     crcs = {i.filename.rsplit("/", 1)[-1]: i.CRC for i in zipfile.ZipFile(buf).infolist()}
     assert crcs["0"] == 0  # the tensor's bytes
-    assert all(i.CRC != 0 for i in zipfile.ZipFile(saved(t)).infolist() if i.file_size)
+    for with_crc in (saved(t), elsewhere["buf"]):
+        assert all(i.CRC != 0 for i in zipfile.ZipFile(with_crc).infolist() if i.file_size)
     buf.seek(0)
     assert torch.equal(torch.load(buf), t)
     with pytest.raises(OSError), _without_zip_crc32():
         raise OSError("disk full")
     assert torch.serialization.get_crc32_options()
+
+
+def test_the_base_file_writer_threads_save_without_the_zip_crc(monkeypatch):
+    """The switch is per thread: it must be set in the threads that write the files."""
+    import io
+    import queue
+    import zipfile
+
+    import torch
+
+    from megatron_diffckpt.patches import base_checkpoint
+
+    crcs = {}
+
+    def per_file_writer(transform_list, index, bucket, results, done, use_fsync, **kw):
+        buf = io.BytesIO()
+        torch.save(bucket, buf)
+        crcs[index] = [i.CRC for i in zipfile.ZipFile(buf).infolist() if i.file_size]
+        results.put((index, [f"written {index}"]))
+
+    monkeypatch.setattr(base_checkpoint, "_per_file_writer", lambda: per_file_writer)
+    out: queue.Queue = queue.Queue()
+    base_checkpoint._write_files_on_threads(None, False, 0, [torch.ones(8), torch.zeros(8)], out)
+    assert out.get_nowait() == {0: ["written 0"], 1: ["written 1"]}
+    assert set(crcs) == {0, 1} and all(0 in c for c in crcs.values())  # the tensors' records

@@ -257,9 +257,9 @@ def _per_file_writer() -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _without_zip_crc32() -> Iterator[None]:
-    """``torch.save`` without its zip CRC-32 while the block runs (see the module doc). The
-    switch is torch's, process-wide: a ``torch.save`` another thread of this process starts
-    meanwhile skips it too (``torch.load`` reads such a file all the same)."""
+    """``torch.save`` without its zip CRC-32 in this thread while the block runs (see the
+    module doc). torch's switch is per thread (a ``ContextVar``): other threads' saves keep
+    theirs."""
     import torch.serialization
 
     before = torch.serialization.get_crc32_options()
@@ -286,7 +286,8 @@ def _write_files_on_threads(
     def run(index: int, bucket: Any) -> None:
         start = time.thread_time()
         try:
-            writer(transform_list, index, bucket, results, done, True, **extra)
+            with _without_zip_crc32():
+                writer(transform_list, index, bucket, results, done, True, **extra)
         except BaseException as exc:  # noqa: BLE001 - megatron's writer catches its own errors
             results.put((index, exc))
         finally:
@@ -298,11 +299,10 @@ def _write_files_on_threads(
         threads.append(
             threading.Thread(target=run, args=(index, bucket), name=f"diffckpt-base-file-{index}")
         )
-    with _without_zip_crc32():
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     outcome: dict | Exception = {}
     while not results.empty():
         index, written = results.get()
