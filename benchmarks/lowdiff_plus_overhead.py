@@ -273,8 +273,7 @@ def plot(result: dict, path: Path) -> None:
         for name, label in lines:
             ax.plot(params, [rows[s][name][key] * 100 for s in sizes], "o-", label=label)
         ax.axhline(0, color="k", lw=0.6)
-        ax.set_xscale("log")
-        ax.set_xlabel("parameters (M)")
+        _size_axis(ax, params)
         ax.set_ylabel("overhead vs no checkpoint (%)")
         ax.set_title(f"a checkpoint every iteration: {title}")
     axes[0][0].legend(fontsize=7)
@@ -301,13 +300,20 @@ def plot(result: dict, path: Path) -> None:
             "o-",
             label=label,
         )
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters (M)")
+    _size_axis(ax, params)
     ax.set_ylabel("peak host memory of the run (GiB, summed PSS)")
     ax.legend(fontsize=7)
     fig.suptitle(f"LowDiff+ as the model grows, {result['machine']}, 2 processes", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _size_axis(ax, params: list[float]) -> None:
+    """A log axis of model sizes, ticked at the measured ones."""
+    ax.set_xscale("log")
+    ax.set_xticks(params, [f"{p:.1f}M" for p in params])
+    ax.minorticks_off()
+    ax.set_xlabel("parameters")
 
 
 def main() -> int:
