@@ -418,6 +418,7 @@ def measure_sizes(work: Path, sizes: list[str], args: argparse.Namespace) -> dic
         model, iters, runs = SIZES[size]
         runs = args.size_repeats or runs
         started = time.time()
+        (work / size).mkdir(parents=True, exist_ok=True)
         print(f"size {size}: {runs} run(s) of {', '.join(SWEEP_CONFIGS)}")
         sweep = measure_overhead(work / size, runs, iters, model, list(SWEEP_CONFIGS))
         out[size] = {
