@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megatron_diffckpt"
 BELOW_THE_MANAGER = (
     "autotune.py", "background.py", "base_space.py", "capture.py", "checkpoint_layout.py", "cli.py",
     "compression.py", "config.py", "dist_ckpt_io.py", "durable_io.py", "errors.py",
-    "exchange.py", "export.py", "failpoints.py", "full_storage.py", "keeper.py", "offline_merge.py",
+    "exchange.py", "export.py", "failpoints.py", "full_storage.py", "keeper.py", "keeper_peers.py",
+    "offline_merge.py",
     "progress.py", "recovery.py", "reshardable.py",
     "replica_merger.py", "retention.py", "scale_plan.py", "shard_map.py", "snapshot.py",
     "strategy.py", "tuning.py", "storage/__init__.py", "storage/format.py", "storage/reader.py",
