@@ -260,16 +260,9 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path):
     keeper 1-11 (or 12); the restarted ranks recover to the newest iteration every rank's keeper
     acknowledged, and the run ends equal to an uninterrupted one (``torch.equal``)."""
     total, kill_after = 16, 11
-    ckpt = tmp_path / "ckpt"
-    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
-    common += ["--train-iters", str(total)]
-    run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
-
-    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
-    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "1000"]
+    ckpt, common, diff = _straight_run_and_flags(tmp_path, total, batch=8)
     cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64", "--standalone"]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(PRETRAIN_GPT), *common, *diff]
-    cmd += ["--dump-state", str(tmp_path / "resumed")]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -309,10 +302,7 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path):
     # storage now reaches the recovered iteration too, and the run ended exactly as straight
     for rank_dir in (ckpt / "diffckpt").glob("rank_*"):
         assert (rank_dir / f"seg_0000000009_{recovered:010d}.bin").exists()
-    straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
-    for rank in range(2):
-        assert resumed[rank]["losses"] == straight[rank]["losses"][recovered:]
-        assert_same_state(straight[rank], resumed[rank], rank)
+    _assert_ends_as_straight(tmp_path, recovered)
     assert "keeper: stopped after" in log
 
 
@@ -333,14 +323,7 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
        recovery comes from storage alone, exactly to T2.
 
     The run ends equal to an uninterrupted one (``torch.equal``, state and losses)."""
-    total = 40
-    ckpt = tmp_path / "ckpt"
-    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
-    common += ["--train-iters", str(total)]
-    run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
-    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "1000", "--save", str(ckpt)]
-    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "1000"]
-    diff += ["--dump-state", str(tmp_path / "resumed")]
+    ckpt, common, diff = _straight_run_and_flags(tmp_path, total=40, batch=1000)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env["DIFFCKPT_KEEPER_HOST"] = "127.0.0.1"
     port = _free_port()
@@ -429,9 +412,31 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
     for rank_dir in ("rank_0_0_0", "rank_0_0_1"):  # what each recovery wrote back
         written = sorted(p.name for p in (ckpt / "diffckpt" / rank_dir).glob("seg_*"))
         assert written[:2] == [f"seg_0000000001_{t1:010d}.bin", f"seg_{t1 + 1:010d}_{t2:010d}.bin"]
+    _assert_ends_as_straight(tmp_path, t3)
+
+
+def _straight_run_and_flags(
+    tmp_path: Path, total: int, batch: int
+) -> tuple[Path, list[str], list[str]]:
+    """Run the uninterrupted reference (``tmp_path/straight``); ``(ckpt, the model's flags,
+    LowDiff's flags)`` for the job under test: batches of ``batch``, no base but the first,
+    ``--load`` from the start (so that restarted ranks resume), its end in ``tmp_path/resumed``."""
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
+    common += ["--train-iters", str(total)]
+    run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
+    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", str(batch), "--save", str(ckpt)]
+    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "1000"]
+    diff += ["--dump-state", str(tmp_path / "resumed")]
+    return ckpt, common, diff
+
+
+def _assert_ends_as_straight(tmp_path: Path, recovered: int) -> None:
+    """The job's end equals the uninterrupted run's (``torch.equal``), and its losses after
+    ``recovered`` are the uninterrupted run's."""
     straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
     for rank in range(2):
-        assert resumed[rank]["losses"] == straight[rank]["losses"][t3:]
+        assert resumed[rank]["losses"] == straight[rank]["losses"][recovered:]
         assert_same_state(straight[rank], resumed[rank], rank)
 
 
