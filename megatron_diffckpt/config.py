@@ -80,6 +80,12 @@ class DiffCkptConfig:
     """lowdiff-plus: persist bases only, without the per-iteration differentials between them
     (recovery then resumes from the newest base)."""
 
+    plus_keeper_replica: bool = False
+    """lowdiff-plus under a node launcher with a keeper (--diffckpt-keeper-memory): the replica
+    and its merger live in the node's keeper, which outlives the ranks, in place of the dense
+    diff log; a restart recovers from the keepers without reading storage (without a keeper:
+    in-process, with the diff log unless --diffckpt-plus-no-diff-log)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise DiffCkptUsageError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
@@ -110,6 +116,11 @@ class DiffCkptConfig:
                 "--diffckpt-auto-tune measures the diff log to choose between it and bases "
                 "only; drop --diffckpt-plus-no-diff-log (or --diffckpt-auto-tune and set "
                 "--diffckpt-full-interval yourself)"
+            )
+        if self.plus_keeper_replica and (self.mode != "lowdiff-plus" or self.auto_tune):
+            raise DiffCkptUsageError(
+                "--diffckpt-plus-keeper-replica is for --diffckpt-mode lowdiff-plus without "
+                "--diffckpt-auto-tune (the keeper's replica takes the diff log's place)"
             )
         if not 0.0 < self.topk_ratio <= 1.0:
             raise DiffCkptUsageError(

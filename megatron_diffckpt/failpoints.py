@@ -11,7 +11,9 @@ The points:
 - ``segment-write``: a diff-log segment's bytes are in its ``.tmp`` file, neither fsynced nor
   renamed (:class:`~megatron_diffckpt.storage.writer.DiffLogWriter`, its background thread);
 - ``replay``: a recovery has replayed one more differential into the optimizer, before the next
-  (:func:`~megatron_diffckpt.recovery.replay`).
+  (:func:`~megatron_diffckpt.recovery.replay`);
+- ``plus-hand-over``: LowDiff+ is about to hand an iteration to its merger, after the
+  iteration's optimizer step (:meth:`~megatron_diffckpt.plus.LowDiffPlusStrategy.end_iteration`).
 
 The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
 hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one
@@ -28,7 +30,7 @@ import signal
 import threading
 
 ENV = "DIFFCKPT_FAILPOINT"
-POINTS = ("segment-write", "replay")
+POINTS = ("segment-write", "replay", "plus-hand-over")
 
 _SPEC = re.compile(r"(?P<name>[a-z-]+)(?::(?P<n>\d+))?(?:@(?P<rank>\d+))?")
 

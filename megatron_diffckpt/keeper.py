@@ -42,10 +42,12 @@ import io
 import json
 import logging
 import os
+import shutil
 import socket
 import socketserver
 import struct
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -107,6 +109,9 @@ class KeeperState:
     def __init__(self, memory: int):
         self.memory = memory
         self.nbytes = 0
+        self.reserved = 0
+        """Bytes of LowDiff+ replicas (:mod:`~megatron_diffckpt.keeper_replica`): records get
+        what is left."""
         self.evicted = 0
         self._chains: dict[tuple, OrderedDict[int, bytes | bytearray]] = {}
         self._published: dict[tuple, int] = {}
@@ -118,8 +123,9 @@ class KeeperState:
         with self._lock:
             if iteration <= self._published.get(key, -1):
                 return False, f"iteration {iteration} is not after the published base"
-            if len(record) > self.memory:
-                return False, f"a record of {len(record)} bytes exceeds the cap of {self.memory}"
+            room = self.memory - self.reserved
+            if len(record) > room:
+                return False, f"a record of {len(record)} bytes exceeds the cap's {room} left"
             chain = self._chains.setdefault(key, OrderedDict())
             # A new attempt that resumed before the end of the chain replaces its tail; one that
             # resumed after a gap starts a new chain.
@@ -128,10 +134,26 @@ class KeeperState:
             if chain and next(reversed(chain)) != iteration - 1:
                 self.nbytes -= sum(len(r) for r in chain.values())
                 chain.clear()
-            while self.nbytes + len(record) > self.memory:
+            while self.nbytes + len(record) > room:
                 self._evict_oldest()
             chain[iteration] = record
             self.nbytes += len(record)
+            return True, ""
+
+    def reserve(self, nbytes: int, releasing: int = 0) -> tuple[bool, str]:
+        """Reserve ``nbytes`` for a replica that replaces one of ``releasing`` bytes, evicting
+        records for room; ``(reserved, why not)``."""
+        with self._lock:
+            reserved = self.reserved - releasing + nbytes
+            if reserved > self.memory:
+                return False, (
+                    f"a replica of {nbytes / 2**20:.1f} MiB does not fit the cap of "
+                    f"{self.memory / 2**20:.1f} MiB ({(self.reserved - releasing) / 2**20:.1f} "
+                    "MiB reserved by other ranks' replicas)"
+                )
+            self.reserved = reserved
+            while self.nbytes > self.memory - self.reserved:
+                self._evict_oldest()
             return True, ""
 
     def _evict_oldest(self) -> None:
@@ -175,6 +197,7 @@ class KeeperState:
                 "records": sum(len(c) for c in self._chains.values()),
                 "bytes": self.nbytes,
                 "memory": self.memory,
+                "reserved": self.reserved,
                 "evicted": self.evicted,
                 "chains": sorted(chains, key=lambda c: (c["tp_rank"], c["pp_rank"], c["dp_rank"])),
             }
@@ -214,6 +237,9 @@ class _Handler(socketserver.BaseRequestHandler):
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")})
             elif op == "chain":
                 self._chain(req, state, link, from_peer)
+            elif op.startswith("replica_") and not from_peer:
+                reply = server.replicas.handle(op, _key(req["identity"]), req, payload)
+                _send(self.request, *reply)
             elif op == "stats":
                 _send(self.request, server.stats())
             elif op == "stop" and not from_peer:
@@ -245,12 +271,16 @@ class _Serving:
     def setup_keeper(self, state: KeeperState, link: Any, for_peers: bool) -> None:
         self.state, self.link, self.for_peers = state, link, for_peers
         self.stopping = False
+        self.replicas: Any = None  # the local server's HostedReplicas
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.stop_all: Any = None  # set by serve()
 
     def stats(self) -> dict[str, Any]:
         out = self.state.stats()
+        if self.replicas is not None:
+            out["replicas"] = self.replicas.stats()
+            out["shm"] = self.replicas.folder
         if self.link is not None:
             out["peer"] = {"successor": self.link.successor, "dropped": self.link.dropped}
             for c in out["chains"]:
@@ -293,13 +323,18 @@ def serve(
     memory: int,
     ready: threading.Event | None = None,
     peers: dict[str, Any] | None = None,
+    shm: str | None = None,
 ) -> KeeperState:
     """Serve on the Unix socket ``path`` until a ``stop`` request; the final state.
 
     ``peers`` (``folder``, ``node``, ``nnodes``, ``host``): also serve the ring's peers on TCP
     and copy every record to the next node's keeper (:mod:`~megatron_diffckpt.keeper_peers`).
+    ``shm``: the folder (created, private, removed at the end) where the ranks put LowDiff+
+    replicas and their snapshot slots (:mod:`~megatron_diffckpt.keeper_replica`); default a
+    fresh one in ``/dev/shm``.
     """
     from megatron_diffckpt.keeper_peers import PeerLink
+    from megatron_diffckpt.keeper_replica import HostedReplicas
 
     state = KeeperState(memory)
     servers: list[Any] = []
@@ -321,6 +356,11 @@ def serve(
         )
     local = _Server(path, state, link)
     os.chmod(path, 0o600)
+    if shm is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        shm = tempfile.mkdtemp(prefix="diffckpt-keeper-", dir=base)
+    os.makedirs(shm, mode=0o700, exist_ok=True)
+    local.replicas = HostedReplicas(state, os.path.abspath(shm))
     servers.insert(0, local)
 
     def stop_all() -> None:
@@ -344,6 +384,7 @@ def serve(
             link.close()
         if os.path.exists(path):
             os.remove(path)
+        shutil.rmtree(shm, ignore_errors=True)
     return state
 
 
@@ -384,7 +425,9 @@ class KeeperClient:
         logger.info("the node's keeper (%s) holds this rank's differentials too", path)
         return client
 
-    def _call(self, header: dict, payload: bytes = b"") -> tuple[dict, bytearray] | None:
+    def call(self, header: dict, payload: bytes = b"") -> tuple[dict, bytearray] | None:
+        """One request for this rank (its identity added); the reply, or ``None`` once the
+        keeper is lost."""
         if self.lost is not None:
             return None
         with self._lock:
@@ -400,7 +443,7 @@ class KeeperClient:
 
     def put(self, record: DiffRecord) -> bool:
         """Hand ``record`` to the keeper; ``True`` once it holds it."""
-        reply = self._call({"op": "put", "iteration": record.iteration}, encode_record(record))
+        reply = self.call({"op": "put", "iteration": record.iteration}, encode_record(record))
         if reply is None:
             return False
         if reply[0]["held"]:
@@ -415,12 +458,12 @@ class KeeperClient:
 
     def published(self, base: int) -> None:
         """A base of ``base`` is published: the keeper drops this rank's records up to it."""
-        self._call({"op": "published", "iteration": base})
+        self.call({"op": "published", "iteration": base})
 
     def chain(self, after: int) -> list[DiffRecord]:
         """The records the keeper holds for this rank from ``after + 1`` on, consecutive, each
         checked against its checksum (a damaged one ends the chain)."""
-        reply = self._call({"op": "chain", "after": after})
+        reply = self.call({"op": "chain", "after": after})
         if reply is None:
             return []
         self.served_by = reply[0].get("tier", self.served_by)
@@ -435,8 +478,15 @@ class KeeperClient:
         return records
 
     def stats(self) -> dict[str, Any]:
-        reply = self._call({"op": "stats"})
+        reply = self.call({"op": "stats"})
         return reply[0] if reply is not None else {}
+
+    def shm_folder(self) -> str:
+        """The keeper's shared-memory folder (LowDiff+'s replica and slots go there)."""
+        folder = self.stats().get("shm")
+        if not folder:
+            raise RuntimeError(f"the keeper at {self.path} has no shared-memory folder")
+        return folder
 
     def close(self) -> None:
         with self._lock:
@@ -469,6 +519,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--host", default=socket.gethostname(), help="the address peers reach this node at"
     )
+    parser.add_argument(
+        "--shm-dir",
+        default=None,
+        help="the folder for LowDiff+ replicas (created, removed at the end; default: a fresh "
+        "one in /dev/shm)",
+    )
     args = parser.parse_args(argv)
     if args.memory_mib <= 0:
         parser.error(f"--memory-mib must be positive, got {args.memory_mib}")
@@ -480,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers is not None:
         peers = {"folder": args.peers, "node": args.node, "nnodes": args.nnodes}
         peers["host"] = args.host
-    state = serve(args.socket, int(args.memory_mib * 2**20), peers=peers)
+    state = serve(args.socket, int(args.memory_mib * 2**20), peers=peers, shm=args.shm_dir)
     s = state.stats()
     logger.info(
         "keeper: stopped after %.0f s, holding %d record(s) of %d rank(s), %.1f of %.1f MiB, "

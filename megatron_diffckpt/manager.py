@@ -39,7 +39,7 @@ from typing import Any
 import psutil
 import torch
 
-from megatron_diffckpt import full_storage, recovery, retention
+from megatron_diffckpt import full_storage, keeper_replica, recovery, retention
 from megatron_diffckpt.autotune import (
     Decision,
     OnlineTuner,
@@ -163,9 +163,46 @@ class DiffCheckpointManager:
         self._published: dict[int, float] = {}  # base iteration -> when it was published
         self._published_bases: list[int] = []
         self._recovery: tuple[float, float | None, float] | None = None
+        self._from_keeper: tuple[int, list[Any]] | None = None  # the keeper replica's, recovered
+        self._in_keeper = False  # LowDiff+'s replica lives in the node's keeper
         self._shard_maps = ShardMapRecorder(self.rank_dir, config.when_full)
         self.last_diff_seconds = 0.0
         """Training-path time of the last differential: capture, record, hand-off."""
+
+    def recover_from_keeper(self) -> tuple[int, int, int] | None:
+        """With ``--diffckpt-plus-keeper-replica``: recover from the node keepers' LowDiff+
+        replicas, before (instead of) loading a base. All ranks, collectively.
+
+        Returns ``(iteration, scheduler_steps, consumed_samples)`` when every rank's keeper
+        could give the same iteration (the newest every rank handed over); ``None``: load the
+        newest base and :meth:`recover` as without keepers.
+        """
+        if not (self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica):
+            return None
+        since_process_start = _seconds_since_process_start()
+        torch_optimizers = [
+            None if getattr(o, "is_stub_optimizer", False) else o.optimizer
+            for o in optimizer_step.inner_optimizers(self.optimizer)
+        ]
+        got = keeper_replica.recover_from_keepers(
+            self.keeper,
+            torch_optimizers,
+            lambda: optimizer_step.publish_main_params(self.optimizer),
+            self.rng_tracker,
+            recovery.all_reduce_min,
+        )
+        if got is None:
+            return None
+        target, record, seconds, description = got
+        logger.info(
+            "recovery: iteration %d from the node's keeper's replica in %.3f s (no base read "
+            "from storage, nothing replayed)",
+            target,
+            seconds,
+        )
+        self._from_keeper = (target, description)
+        self._recovery = (seconds, None, max(0.0, since_process_start))
+        return target, record.scalars["scheduler_steps"], record.scalars["consumed_samples"]
 
     def recover(
         self, base_iteration: int, base_load_s: float = 0.0
@@ -326,7 +363,14 @@ class DiffCheckpointManager:
             else:
                 self.tuner.observe_start(_seconds_since_process_start())
         plus = self.config.mode == "lowdiff-plus"
-        if not (plus and (self.config.plus_no_diff_log or not diff_log)):
+        in_keeper = plus and self.config.plus_keeper_replica and self.keeper is not None
+        if plus and self.config.plus_keeper_replica and self.keeper is None:
+            logger.warning(
+                "--diffckpt-plus-keeper-replica: no keeper runs on this node (start the job "
+                "under examples/gpt/node_launcher.py --diffckpt-keeper-memory MIB); the "
+                "replica stays in this process"
+            )
+        if not (plus and (self.config.plus_no_diff_log or not diff_log or in_keeper)):
             self.writer = DiffLogWriter(
                 self.dir,
                 self.identity,
@@ -338,8 +382,9 @@ class DiffCheckpointManager:
                 **({"slow_hint": PLUS_SLOW_HINT} if plus else {}),
                 keeper=self.keeper,
             )
-        if self.writer is None:  # bases only: durability starts at the state we start from
-            self._published_bases.append(iteration)
+        if self.writer is None and self._from_keeper is None:
+            self._published_bases.append(iteration)  # bases only: durable from the start on
+        self._in_keeper = in_keeper
         if self.config.mode == "lowdiff-plus":
             trace = os.path.join(self.dir, "trace", f"{self.identity.dirname()}.json")
             self.strategy = LowDiffPlusStrategy(
@@ -350,7 +395,10 @@ class DiffCheckpointManager:
                 self.rng_tracker,
                 trace_path=trace,
                 on_base_failed=self.base_failed,
+                keeper=self.keeper if in_keeper else None,
             )
+            if in_keeper and self._from_keeper is not None:
+                self.strategy.merger.resumed = self._from_keeper
         else:
             self.strategy = LowDiffStrategy(self.optimizer, self.writer, self.rng_tracker)
         self.strategy.start(iteration)
@@ -568,9 +616,10 @@ class DiffCheckpointManager:
             out["bytes_per_iteration"] = stats.bytes_written / max(stats.records, 1)
             out["writer_backlog"] = float(self.writer.backlog)
         kept = self.keeper.stats() if self.keeper is not None else {}
-        if kept and self.writer is not None:
-            out["keeper_lag"] = float(iteration - self.writer.kept_iteration)
-            out["keeper_mib"] = kept["bytes"] / 2**20
+        if kept and (self.writer is not None or self._in_keeper):
+            # the iteration the keeper holds: the diff log's records, or the replica's input
+            out["keeper_lag"] = float(iteration - self.keeper.held_iteration)
+            out["keeper_mib"] = (kept["bytes"] + kept.get("reserved", 0)) / 2**20
             out["keeper_cap_mib"] = kept["memory"] / 2**20
         if self.strategy is not None:
             out.update(self.strategy.metrics())

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import full_storage, recovery
+from megatron_diffckpt import failpoints, full_storage, recovery
 from megatron_diffckpt.background import CpuMeter, lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
+from megatron_diffckpt.keeper_replica import KeeperReplicaMerger
 from megatron_diffckpt.patches import (
     base_checkpoint,
     bucket_snapshot,
@@ -87,6 +88,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         trace_path: where :meth:`close` writes the recent iterations' snapshot trace (JSON).
         on_base_failed: ``(iteration, exc)``, all ranks together, when a base's finalize step
             raised on every rank (a full disk); it re-raises what it does not handle.
+        keeper: the node's keeper client when the replica and its merger live there
+            (:mod:`~megatron_diffckpt.keeper_replica`; one more snapshot slot, in shared memory).
     """
 
     name = "lowdiff-plus"
@@ -100,6 +103,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         rng_tracker: Any,
         trace_path: str | None = None,
         on_base_failed: Callable[[int, BaseException], None] | None = None,
+        keeper: Any = None,
     ):
         if not model_chunks:
             raise ValueError(
@@ -127,10 +131,24 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         """CPU seconds by activity: the background work (snapshot copy, merge input and step,
         diff log record, base persist) and, to compare the merge step with, the training optimizer's
         step on the training thread."""
+        self.in_keeper = keeper is not None
+        buffer = None
+        if self.in_keeper:
+            keeper_merger = KeeperReplicaMerger(keeper, layout, cpu=self.cpu)
+            buffer, slots = keeper_merger.slot_buffer, slots + 1  # the keeper holds one
         self.snapshotter = BucketSnapshotter(
-            shards, slots=slots, device=device, defer_to_bubbles=self.pipelined, cpu=self.cpu
+            shards,
+            slots=slots,
+            device=device,
+            defer_to_bubbles=self.pipelined,
+            cpu=self.cpu,
+            buffer=buffer,
         )
-        self.merger = ReplicaMerger(layout, self.snapshotter, writer, cpu=self.cpu)
+        if self.in_keeper:
+            keeper_merger.attach(self.snapshotter)
+            self.merger: ReplicaMerger | KeeperReplicaMerger = keeper_merger
+        else:
+            self.merger = ReplicaMerger(layout, self.snapshotter, writer, cpu=self.cpu)
         self._first_param = {}
         for i, o in enumerate(self._torch_optimizers):
             params = [p for g in o.param_groups for p in g["params"]] if o is not None else []
@@ -161,13 +179,15 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             pipeline_bubbles.activate(self.snapshotter)
         optimizer_step.attach(self.optimizer, self._on_ready_grads)
         logger.info(
-            "LowDiff+: %d snapshot slot(s) of %.1f MB in host memory (%s copies%s), replica "
-            "anchored at iteration %d",
+            "LowDiff+: %d snapshot slot(s) of %.1f MB in %s (%s copies%s), replica anchored at "
+            "iteration %d%s",
             self.snapshotter.slots,
             self.snapshotter.nbytes / 1e6,
+            "shared memory" if self.in_keeper else "host memory",
             self.device,
             ", deferred to pipeline bubbles" if self.pipelined else "",
             iteration,
+            ", merged by the node's keeper" if self.in_keeper else "",
         )
 
     # ----------------------------------------------------------------- hooks (training thread)
@@ -197,7 +217,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         start = time.perf_counter()
         slot = self.snapshotter.finish_iteration(iteration)
         inputs, self._inputs = self._inputs, StepInputs()
-        rng = capture_rng(self.rng_tracker) if self._logging else None
+        # the keeper's replica keeps each iteration's RNG states: a restart resumes from it
+        rng = capture_rng(self.rng_tracker) if self._logging or self.in_keeper else None
+        failpoints.reach("plus-hand-over")
         self.merger.submit(MergeJob(iteration, slot, inputs, scheduler_steps, consumed, rng))
         self._submitted = iteration
         self._poll_persist(block=False)
@@ -335,7 +357,10 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         copy time inside pipeline bubbles)."""
         summary = summarize_traces(list(self.snapshotter.traces))
         return {
-            "merge_backlog": float(self._submitted - self.merger.merged_iteration),
+            # the keeper's replica is one behind by design (it holds the newest input)
+            "merge_backlog": float(
+                max(0, self._submitted - self.merger.merged_iteration - int(self.in_keeper))
+            ),
             "slot_wait_ms": self.snapshotter.slot_wait_seconds * 1000.0,
             "copies_in_bubbles": summary["share_in_bubbles"],
         }

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,16 +84,25 @@ class MergeJob:
     logged (no diff log, or LowDiff+ stopped it)."""
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
+def _host_copy(t: torch.Tensor, _name: str = "") -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def _replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+# ``alloc(tensor, name) -> copy``: where a replica's tensors are created (default: process
+# memory; the keeper's replica creates them in shared memory). ``name`` says which tensor it is:
+# ``o<inner>.g<group>.p<index>`` for a parameter, with ``.<state key>`` for its state.
+Alloc = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def _replica_of(
+    opt: torch.optim.Optimizer, alloc: Alloc = _host_copy, prefix: str = ""
+) -> torch.optim.Optimizer:
     """A host optimizer with ``opt``'s parameters, options and state, copied."""
     groups = []
-    for group in opt.param_groups:
+    for g, group in enumerate(opt.param_groups):
         options = {k: v for k, v in group.items() if k != "params"}
-        groups.append({"params": [_host_copy(p) for p in group["params"]], **options})
+        params = [alloc(p, f"{prefix}g{g}.p{k}") for k, p in enumerate(group["params"])]
+        groups.append({"params": params, **options})
     if type(opt) in _TORCH_ADAM:
         replica = type(opt)(groups)
     else:
@@ -102,28 +112,39 @@ def _replica_of(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         replica = torch.optim.AdamW(
             [{"params": g["params"], **{k: g[k] for k in keys if k in g}} for g in groups]
         )
-    _copy_state(opt, replica, into_existing=False)
+    _copy_state(opt, replica, into_existing=False, alloc=alloc, prefix=prefix)
     return replica
 
 
 def refresh_replicas(
     sources: list[torch.optim.Optimizer | None],
     replicas: list[torch.optim.Optimizer | None] | None,
+    alloc: Alloc = _host_copy,
 ) -> list[torch.optim.Optimizer | None]:
-    """``replicas`` made to hold ``sources``' parameters, options and state: host copies created
-    on first use (``replicas`` empty or ``None``), afterwards copied into in place. ``None``
-    entries (stub optimizers) stay ``None``."""
+    """``replicas`` made to hold ``sources``' parameters, options and state: copies created
+    (by ``alloc``) on first use (``replicas`` empty or ``None``), afterwards copied into in
+    place (state a replica lacks is created by ``alloc``). ``None`` entries (stub optimizers)
+    stay ``None``."""
     if not replicas:
-        return [None if o is None else _replica_of(o) for o in sources]
-    for src, dst in zip(sources, replicas, strict=True):
+        return [
+            None if o is None else _replica_of(o, alloc, prefix=f"o{i}.")
+            for i, o in enumerate(sources)
+        ]
+    for i, (src, dst) in enumerate(zip(sources, replicas, strict=True)):
         if src is not None:
-            _copy_state(src, dst, into_existing=True)
+            _copy_state(src, dst, into_existing=True, alloc=alloc, prefix=f"o{i}.")
     return replicas
 
 
-def _copy_state(src: torch.optim.Optimizer, dst: torch.optim.Optimizer, into_existing: bool):
-    for g_src, g_dst in zip(src.param_groups, dst.param_groups, strict=True):
-        for p_src, p_dst in zip(g_src["params"], g_dst["params"], strict=True):
+def _copy_state(
+    src: torch.optim.Optimizer,
+    dst: torch.optim.Optimizer,
+    into_existing: bool,
+    alloc: Alloc = _host_copy,
+    prefix: str = "",
+):
+    for g, (g_src, g_dst) in enumerate(zip(src.param_groups, dst.param_groups, strict=True)):
+        for k, (p_src, p_dst) in enumerate(zip(g_src["params"], g_dst["params"], strict=True)):
             if into_existing:
                 p_dst.detach().copy_(p_src.detach())
             state = src.state.get(p_src)
@@ -131,16 +152,18 @@ def _copy_state(src: torch.optim.Optimizer, dst: torch.optim.Optimizer, into_exi
                 continue
             if "step" not in state and "step" in g_src:  # fused optimizers keep it per group
                 state = {**state, "step": torch.tensor(float(g_src["step"]))}
+            name = f"{prefix}g{g}.p{k}."
             current = dst.state.get(p_dst) if into_existing else None
             if current:
-                for k, v in state.items():
-                    if torch.is_tensor(v) and k in current:
-                        current[k].copy_(v.detach())
+                for key, v in state.items():
+                    if torch.is_tensor(v) and key in current:
+                        current[key].copy_(v.detach())
                     else:
-                        current[k] = _host_copy(v) if torch.is_tensor(v) else v
+                        current[key] = alloc(v, name + key) if torch.is_tensor(v) else v
             else:
                 dst.state[p_dst] = {
-                    k: _host_copy(v) if torch.is_tensor(v) else v for k, v in state.items()
+                    key: alloc(v, name + key) if torch.is_tensor(v) else v
+                    for key, v in state.items()
                 }
 
 
@@ -262,36 +285,57 @@ class ReplicaMerger:
         return self.writer is not None and job.rng is not None
 
     def _step(self, job: MergeJob) -> None:
-        buffers = job.slot.buffers
-        for i, opt in enumerate(self.optimizers):
-            if opt is None:
-                continue
-            with self.cpu.measure("merge input"):
-                coeff = job.inputs.clip_coeffs.get(i)
-                for g, group in enumerate(opt.param_groups):
-                    group["lr"], group["weight_decay"] = job.inputs.groups[f"o{i}.g{g}"]
-                    for k, p in enumerate(group["params"]):
-                        where = self.layout[i][g][k]
-                        if where.bucket not in job.slot.filled:
-                            raise RuntimeError(
-                                f"iteration {job.iteration}: bucket {where.bucket} was not "
-                                "snapshotted (its reduction never started)"
-                            )
-                        grad = buffers[where.bucket][where.start : where.end].view(p.shape)
-                        grad = grad.float()
-                        if coeff is not None:
-                            # megatron: grads.copy_(grads * clip_coeff); in place here, the
-                            # same products, into the slot (the merge is its last reader)
-                            grad.mul_(coeff)
-                        p.grad = grad
-            if self._logs(job):
-                with self.cpu.measure("diff log record"):
-                    self.capture.on_ready_grads(i, opt)
-            with self.cpu.measure("merge step"):
-                opt.step()
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+        on_input = (lambda i, opt: self.capture.on_ready_grads(i, opt)) if self._logs(job) else None
+        step_replica(
+            self.optimizers, self.layout, job.slot.buffers, job.slot.filled, job.inputs,
+            job.iteration, self.cpu, on_input,
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def step_replica(
+    optimizers: list[torch.optim.Optimizer | None],
+    layout: ShardLayout,
+    buffers: dict[str, torch.Tensor],
+    filled: set[str],
+    inputs: StepInputs,
+    iteration: int,
+    cpu: CpuMeter,
+    on_input: Any = None,
+) -> None:
+    """Step the replica ``optimizers`` with one iteration's snapshots (``buffers``, of which the
+    buckets ``filled`` were copied) and step inputs: the exact input of the training step.
+    ``on_input(inner, optimizer)``, when given, sees each optimizer's input before its step (the
+    diff log's record). CPU time goes to ``cpu`` as ``"merge input"`` and ``"merge step"``."""
+    for i, opt in enumerate(optimizers):
+        if opt is None:
+            continue
+        with cpu.measure("merge input"):
+            coeff = inputs.clip_coeffs.get(i)
+            for g, group in enumerate(opt.param_groups):
+                group["lr"], group["weight_decay"] = inputs.groups[f"o{i}.g{g}"]
+                for k, p in enumerate(group["params"]):
+                    where = layout[i][g][k]
+                    if where.bucket not in filled:
+                        raise RuntimeError(
+                            f"iteration {iteration}: bucket {where.bucket} was not "
+                            "snapshotted (its reduction never started)"
+                        )
+                    grad = buffers[where.bucket][where.start : where.end].view(p.shape)
+                    grad = grad.float()
+                    if coeff is not None:
+                        # megatron: grads.copy_(grads * clip_coeff); in place here, the same
+                        # products, into the slot (the merge is its last reader)
+                        grad.mul_(coeff)
+                    p.grad = grad
+        if on_input is not None:
+            with cpu.measure("diff log record"):
+                on_input(i, opt)
+        with cpu.measure("merge step"):
+            opt.step()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
 
 def host_group_like(group: Any) -> Any:

@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -122,6 +122,9 @@ class BucketSnapshotter:
         trace_iterations: how many iterations of :class:`StageTrace` to keep.
         cpu: where the copy thread's CPU time goes (activity ``"snapshot copy"``; CPU only: on
             GPU the copies are the device's).
+        buffer: ``(slot, bucket key, numel, dtype) -> tensor``: where the host buffers live
+            (default: process memory, pinned on GPU; the keeper's replica maps them into
+            shared memory, :mod:`~megatron_diffckpt.keeper_replica`).
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class BucketSnapshotter:
         defer_to_bubbles: bool = False,
         trace_iterations: int = 64,
         cpu: CpuMeter | None = None,
+        buffer: Callable[[int, str, int, torch.dtype], torch.Tensor] | None = None,
     ):
         if slots < 1:
             raise ValueError(f"need at least one snapshot slot, got {slots}")
@@ -139,13 +143,14 @@ class BucketSnapshotter:
         self.defer_to_bubbles = defer_to_bubbles
         self.cpu = cpu if cpu is not None else CpuMeter()
         pin = device == "cuda"
+        if buffer is None:
+
+            def buffer(_slot: int, _key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
         self._slots = [
             SnapshotSlot(
-                i,
-                {
-                    key: torch.empty(numel, dtype=dtype, pin_memory=pin)
-                    for key, (numel, dtype) in shards.items()
-                },
+                i, {key: buffer(i, key, numel, dtype) for key, (numel, dtype) in shards.items()}
             )
             for i in range(slots)
         ]

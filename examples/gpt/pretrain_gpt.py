@@ -392,6 +392,8 @@ def train(args) -> int:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_diffckpt.checkpoint_layout import find_latest_iteration, has_tracker
+
     model, optimizer, scheduler, exchange = build_model_and_optimizer(args)
     residuals = exchange.residuals if exchange is not None else None
     num_params = sum(p.numel() for p in model.module.parameters())
@@ -439,7 +441,14 @@ def train(args) -> int:
             args.load_missing,
         )
         args.load = None
-    if args.load is not None:
+    kept = manager.recover_from_keeper() if args.load is not None and manager else None
+    if kept is not None:  # the node keepers' LowDiff+ replicas: no base read, nothing replayed
+        iteration, scheduler_steps, consumed = kept
+        scheduler.num_steps = scheduler_steps
+        scheduler.step(increment=0)  # the LR the next iteration uses
+        saved = find_latest_iteration(args.load) if has_tracker(args.load) else 0  # newest base
+        logger.info("recovered to iteration %d", iteration)
+    elif args.load is not None:
         load_start = time.perf_counter()
         if args.ckpt_format == "torch_dcp":
             from dcp_checkpointing import DcpCheckpointer

@@ -95,3 +95,20 @@ def step_without_hook(inner: Any) -> bool:
     together.
     """
     return getattr(inner, _ORIGINAL, inner.step_with_ready_grads)()
+
+
+def publish_main_params(optimizer: Any) -> None:
+    """Make the model's parameters follow the main parameters, as after a step, without
+    stepping: each inner optimizer's ``step_with_ready_grads`` with its torch optimizer's
+    ``step`` a no-op (megatron copies main to model parameters and, with the distributed
+    optimizer, all-gathers them). All data-parallel ranks together."""
+    for _, torch_optimizer, step in replay_targets(optimizer):
+        before = torch_optimizer.__dict__.get("step")
+        torch_optimizer.step = lambda *args, **kwargs: None
+        try:
+            step()
+        finally:
+            if before is None:
+                del torch_optimizer.step
+            else:
+                torch_optimizer.step = before
