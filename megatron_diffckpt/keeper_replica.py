@@ -195,6 +195,20 @@ def nbytes_of(description: list[Any], slots: list[dict[str, Any]]) -> int:
     return sum(math.prod(s["shape"]) * _DTYPES[s["dtype"]].itemsize for s in specs)
 
 
+def initial_adam_state(opt: torch.optim.Optimizer, alloc: Any) -> None:
+    """Give each parameter without state (no step yet) the state torch Adam's first step would
+    create, made by ``alloc(tensor)``: in shared memory, the keeper's steps update it in place
+    where the rank and a recovery see it (a state Adam created lazily would be the keeper's)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if opt.state.get(p):
+                continue
+            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            state = {"step": alloc(torch.tensor(0.0, dtype=torch.float32))}
+            state.update({n: alloc(torch.zeros_like(p)) for n in names})
+            opt.state[p] = state
+
+
 # ---------------------------------------------------------------------------------- the keeper
 @dataclass
 class _Held:
@@ -441,7 +455,7 @@ class KeeperReplicaMerger:
             ]
             for opt in optimizers:
                 if opt is not None:
-                    self._initial_state(opt)
+                    initial_adam_state(opt, self.arena.copy)
             description = describe(optimizers, self.arena.spec)
         self.resumed = None
         request["optimizers"] = description
@@ -456,19 +470,6 @@ class KeeperReplicaMerger:
         with self._cond:
             self._merged = iteration
             self._cond.notify_all()
-
-    def _initial_state(self, opt: torch.optim.Optimizer) -> None:
-        """Give each parameter without state (no step yet) the state torch Adam's first step
-        would create, in shared memory: the keeper's steps then update it in place, where the
-        rank and a recovery see it (a lazily created state would stay the keeper's own)."""
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if opt.state.get(p):
-                    continue
-                names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-                state = {"step": self.arena.copy(torch.tensor(0.0, dtype=torch.float32))}
-                state.update({n: self.arena.copy(torch.zeros_like(p)) for n in names})
-                opt.state[p] = state
 
     def submit(self, job: MergeJob) -> None:
         self._raise_background_error()
@@ -604,12 +605,15 @@ def recover_from_keepers(
     target = all_reduce_min([high])[0]
     can = held is not None and target >= 0 and low <= target <= high
     if not all_reduce_min([int(can)])[0]:
-        logger.info(
-            "recovery: not every rank's keeper holds a replica at iteration %d (this rank's "
-            "reaches %s): recovering from storage",
-            target,
-            f"{low}-{high}" if held else "none",
-        )
+        if target < 0:
+            logger.info("recovery: the node keepers hold no replica: recovering from storage")
+        else:
+            logger.info(
+                "recovery: not every rank's keeper reaches iteration %d (this rank's: %s): "
+                "recovering from storage",
+                target,
+                f"{low}-{high}" if held else "none",
+            )
         return None
     records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
     settled = client.call({"op": "replica_settle", "iteration": target})

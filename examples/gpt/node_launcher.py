@@ -87,7 +87,7 @@ def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Pope
     default this host's name)."""
     sock = os.path.join(tempfile.mkdtemp(prefix="diffckpt-keeper-"), "socket")
     cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
-    cmd += ["--memory-mib", opts[KEEPER_FLAG]]
+    cmd += ["--memory-mib", opts[KEEPER_FLAG], "--shm-dir", shm_dir(sock)]
     if PEERS_FLAG in opts:
         node, nnodes = node_of(argv)
         cmd += ["--peers", opts[PEERS_FLAG], "--node", str(node), "--nnodes", str(nnodes)]
@@ -103,6 +103,13 @@ def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Pope
     return keeper, sock
 
 
+def shm_dir(sock: str) -> str:
+    """The keeper's shared-memory folder (LowDiff+'s replica), named after its socket's folder:
+    this launcher removes it even when the keeper died without removing it."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, os.path.basename(os.path.dirname(sock)))
+
+
 def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
     from megatron_diffckpt.keeper import stop
 
@@ -112,6 +119,7 @@ def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
     except (OSError, ConnectionError, subprocess.TimeoutExpired):
         keeper.kill()
     shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+    shutil.rmtree(shm_dir(sock), ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,262 @@
+"""LowDiff+'s replica in the node's keeper: the keeper's merge equals training's step bit for bit,
+one iteration behind, settled either way at recovery; a replica over the cap is refused in one
+line; real training jobs whose ranks die (one before its hand-over, or all of them) recover from
+the keepers without reading a base, and a job that lost its keeper too recovers from storage,
+each ending equal to an uninterrupted run (``torch.equal``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from launch import REPO, RUN_TIMEOUT_S, TINY_GPT, run_gpt
+from test_keeper import (
+    NODE_LAUNCHER,
+    PRETRAIN_GPT,
+    _assert_ends_as_straight,
+    _ranks_of,
+    start_keeper,
+)
+
+from megatron_diffckpt.errors import DiffCkptUsageError
+from megatron_diffckpt.keeper import KeeperClient, stop
+from megatron_diffckpt.keeper_replica import (
+    HostedReplica,
+    KeeperReplicaMerger,
+    SharedArena,
+    describe,
+    initial_adam_state,
+)
+from megatron_diffckpt.replica_merger import ParamSlice, _replica_of
+from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
+
+SHAPES = [(3, 4), (5,)]
+NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
+
+
+def _training_optimizer() -> torch.optim.AdamW:
+    torch.manual_seed(0)
+    params = [torch.randn(s) for s in SHAPES]
+    return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _layout() -> list:
+    slices, start = [], 0
+    for s in SHAPES:
+        n = torch.Size(s).numel()
+        slices.append(ParamSlice("b0", start, start + n))
+        start += n
+    return [[slices]]
+
+
+def _hosted(tmp_path: Path, train: torch.optim.AdamW, slots: int = 2):
+    """The replica of ``train`` as a keeper holds it, and the rank's slot buffers."""
+    arena = SharedArena(str(tmp_path))
+    replica = _replica_of(train, arena.copy, prefix="o0.")
+    initial_adam_state(replica, arena.copy)
+    buffers = [arena.empty((NUMEL,), torch.float32) for _ in range(slots)]
+    request = {
+        "iteration": 0,
+        "optimizers": describe([replica], arena.spec),
+        "layout": [[[[w.bucket, w.start, w.end] for w in g] for g in i] for i in _layout()],
+        "slots": [{"b0": arena.spec(b)} for b in buffers],
+    }
+    return HostedReplica(request, b"", None), buffers
+
+
+def _step(train: torch.optim.AdamW, buffer: torch.Tensor, iteration: int) -> dict:
+    """One training step with random gradients, laid into ``buffer``; its hand-over request."""
+    torch.manual_seed(100 + iteration)
+    flat = torch.randn(NUMEL)
+    buffer.copy_(flat)
+    start = 0
+    for p in train.param_groups[0]["params"]:
+        p.grad = flat[start : start + p.numel()].view(p.shape).clone()
+        start += p.numel()
+    lr = 1e-2 / iteration
+    train.param_groups[0]["lr"] = lr
+    train.step()
+    group = train.param_groups[0]
+    return {
+        "iteration": iteration,
+        "slot": iteration % 2,
+        "filled": ["b0"],
+        "groups": {"o0.g0": [lr, group["weight_decay"]]},
+        "clip": {},
+    }
+
+
+def _record(iteration: int) -> bytes:
+    return encode_record(DiffRecord(iteration, {"scheduler_steps": iteration}))
+
+
+def _assert_replica_equals(hosted: HostedReplica, train: torch.optim.AdamW) -> None:
+    (replica,) = hosted.optimizers
+    pairs = zip(train.param_groups[0]["params"], replica.param_groups[0]["params"], strict=True)
+    for p_train, p_rep in pairs:
+        assert torch.equal(p_train, p_rep)
+        for key, value in train.state[p_train].items():
+            assert torch.equal(value, replica.state[p_rep][key]), key
+
+
+def test_the_keepers_merge_is_the_training_step_one_iteration_behind(tmp_path):
+    train = _training_optimizer()
+    hosted, buffers = _hosted(tmp_path, train)
+    assert hosted.offer() == (-1, -1)  # anchored from a base: storage serves iteration 0
+    for it in (1, 2, 3):
+        request = _step(train, buffers[it % 2], it)
+        released = hosted.take(request, _record(it))
+        assert hosted.merged == it - 1 and released == ([] if it == 1 else [(it - 1) % 2])
+    assert hosted.offer() == (2, 3)
+    with pytest.raises(ValueError, match="expected 4"):
+        hosted.take({**request, "iteration": 5}, _record(5))
+    assert hosted.flush(3) == [1] and hosted.merged == 3
+    _assert_replica_equals(hosted, train)  # exact: the same optimizer, the same inputs
+
+
+def test_recovery_settles_at_either_iteration_the_keeper_offers(tmp_path):
+    for target in (2, 3):
+        train, other = _training_optimizer(), _training_optimizer()
+        (tmp_path / str(target)).mkdir()
+        hosted, buffers = _hosted(tmp_path / str(target), train)
+        for it in (1, 2, 3):
+            request = _step(train, buffers[it % 2], it)
+            if it <= target:
+                _step(other, torch.empty(NUMEL), it)
+            hosted.take(request, _record(it))
+        with pytest.raises(ValueError, match="cannot settle at 1"):
+            hosted.settle(1)
+        assert hosted.settle(target) == [1]  # the held iteration's slot, merged or dropped
+        assert hosted.merged == target and hosted.offer() == (target, target)
+        _assert_replica_equals(hosted, other)
+
+
+def test_a_replica_over_the_keepers_cap_is_refused_naming_the_flag(tmp_path):
+    sock = str(tmp_path / "keeper.sock")
+    proc = start_keeper(sock, "--memory-mib", "0.0001")
+    try:
+        client = KeeperClient(sock, SegmentIdentity("run", 0, 0, 0, "layout"))
+        merger = KeeperReplicaMerger(client, _layout())
+        merger.slot_buffer(0, "b0", NUMEL, torch.float32)
+        with pytest.raises(DiffCkptUsageError, match="--diffckpt-keeper-memory"):
+            merger.anchor([_training_optimizer()], 0)
+        folder = client.shm_folder()
+        assert os.listdir(folder) == []  # the refused replica's files removed
+        client.close()
+    finally:
+        stop(sock)
+        proc.wait(30)
+    assert not os.path.exists(folder)  # the keeper removes its folder at its end
+
+
+def _keeper_job(tmp_path: Path, total: int, full_interval: int) -> tuple[list[str], list[str]]:
+    """The uninterrupted reference (``tmp_path/straight``); ``(model flags, LowDiff+ flags)``
+    of the job under test, whose end goes to ``tmp_path/resumed``."""
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
+    common += ["--train-iters", str(total)]
+    run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
+    plus = ["--diffckpt-mode", "lowdiff-plus", "--diffckpt-plus-keeper-replica"]
+    plus += ["--save", str(ckpt), "--load", str(ckpt)]
+    plus += ["--diffckpt-full-interval", str(full_interval)]
+    return common, [*plus, "--dump-state", str(tmp_path / "resumed")]
+
+
+def _launch(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """The node launcher with a keeper and one torchrun restart; its output lines, followed."""
+    cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64", "--standalone"]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(PRETRAIN_GPT), *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+
+    def follow():
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=follow, daemon=True).start()
+    return proc, lines
+
+
+def _wait_logged(lines: list[str], iteration: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not any(re.search(rf"iteration +{iteration}/", line) for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+        time.sleep(0.01)
+
+
+def _last_logged(log: str) -> int:
+    return max(int(i) for i in re.findall(r"iteration +(\d+)/", log))
+
+
+def _finish(proc: subprocess.Popen, lines: list[str]) -> str:
+    try:
+        assert proc.wait(RUN_TIMEOUT_S) == 0, "".join(lines[-60:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    return "".join(lines)
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tmp_path):
+    """Rank 1 dies before handing iteration 11 over, rank 0 has handed it: the ranks agree on
+    10, rank 0's keeper drops what it held of 11, rank 1's merges 10, and no base is read."""
+    common, plus = _keeper_job(tmp_path, total=16, full_interval=1000)
+    proc, lines = _launch([*common, *plus], {"DIFFCKPT_FAILPOINT": "plus-hand-over:11@1"})
+    log = _finish(proc, lines)
+    assert "failpoint plus-hand-over #11: SIGKILL of rank 1" in log
+    assert "recovery: iteration 10 from the node's keeper's replica" in log, log[-3000:]
+    assert "loaded checkpoint from" not in log  # only base 0 exists; it was not read
+    _assert_ends_as_straight(tmp_path, 10)
+
+
+@pytest.mark.distributed
+def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_storage(
+    tmp_path,
+):
+    """SIGKILL of both ranks after iteration 11 (bases every 5): the restart recovers, from
+    the keepers, the newest iteration rank 0 logged or the next (storage holds base 10). Then
+    the whole launcher, keeper included, dies after 17: the next launch's keeper is empty, and
+    the job recovers from storage's newest base."""
+    common, plus = _keeper_job(tmp_path, total=40, full_interval=5)
+    proc, lines = _launch([*common, *plus])
+    try:
+        _wait_logged(lines, 11, proc)
+        victims = _ranks_of(psutil.Process(proc.pid))
+        assert len(victims) == 2, victims
+        for p in victims:
+            p.send_signal(signal.SIGKILL)
+        _wait_logged(lines, 17, proc)
+        everything = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
+        for p in everything:
+            p.send_signal(signal.SIGKILL)
+        proc.wait(RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)
+    first = "".join(lines)
+    got = re.search(r"recovery: iteration (\d+) from the node's keeper's replica", first)
+    assert got is not None, first[-3000:]
+    before = _last_logged(first[: got.start()])
+    assert 11 <= before <= int(got[1]) <= before + 1  # nothing a keeper acknowledged is lost
+    assert "loaded checkpoint from" not in first
+    proc, lines = _launch([*common, *plus])
+    log = _finish(proc, lines)
+    assert "recovery: the node keepers hold no replica: recovering from storage" in log
+    base = re.search(r"loaded checkpoint from \S+ at iteration (\d+)", log)
+    assert base is not None and int(base[1]) % 5 == 0 and int(base[1]) >= 15, log[-3000:]
+    _assert_ends_as_straight(tmp_path, int(base[1]))
