@@ -134,15 +134,26 @@ ITER_LINE = re.compile(
 )
 
 
-def run(args: list[str], log: Path, keeper: bool = False) -> tuple[str, float]:
+def run(
+    args: list[str],
+    log: Path,
+    keeper: bool = False,
+    restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> tuple[str, float]:
     """Train with ``args`` on NPROC processes; the rank-0 log and the wall time. ``keeper``:
-    under the node launcher with the node's keeper (``KEEPER_MIB``)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP", "1"))
+    under the node launcher with the node's keeper (``KEEPER_MIB``); ``restarts``: torchrun's
+    ``--max-restarts``; ``env``: added to the environment."""
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP", "1"), **(env or {})
+    )
+    if restarts:  # what the node launcher sets: a store per attempt (pytorch/pytorch#135712)
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     if keeper:
         cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", KEEPER_MIB]
         cmd += ["--standalone"]
-    cmd += [f"--nproc-per-node={NPROC}", str(PRETRAIN_GPT), *args]
+    cmd += [f"--nproc-per-node={NPROC}", f"--max-restarts={restarts}", str(PRETRAIN_GPT), *args]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - start

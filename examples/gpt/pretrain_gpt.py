@@ -441,15 +441,19 @@ def train(args) -> int:
             args.load_missing,
         )
         args.load = None
+    load_start = time.perf_counter()
     kept = manager.recover_from_keeper() if args.load is not None and manager else None
     if kept is not None:  # the node keepers' LowDiff+ replicas: no base read, nothing replayed
         iteration, scheduler_steps, consumed = kept
         scheduler.num_steps = scheduler_steps
         scheduler.step(increment=0)  # the LR the next iteration uses
         saved = find_latest_iteration(args.load) if has_tracker(args.load) else 0  # newest base
-        logger.info("recovered to iteration %d", iteration)
+        logger.info(
+            "recovered to iteration %d in %.3f s (from the node keepers' replicas)",
+            iteration,
+            time.perf_counter() - load_start,
+        )
     elif args.load is not None:
-        load_start = time.perf_counter()
         if args.ckpt_format == "torch_dcp":
             from dcp_checkpointing import DcpCheckpointer
 
@@ -467,7 +471,12 @@ def train(args) -> int:
                 scheduler.num_steps = scheduler_steps
                 scheduler.step(increment=0)  # the LR the next iteration uses
                 consumed = replayed_consumed
-            logger.info("recovered to iteration %d", iteration)
+            logger.info(
+                "recovered to iteration %d in %.3f s (from storage: base %d and the diff log)",
+                iteration,
+                time.perf_counter() - load_start,
+                saved,
+            )
     if iteration in args.dump_state_at:
         dump_state(_dump_dir(args, iteration), model, optimizer, [], args.dump_model_space)
     if args.ckpt_format == "torch_dcp":

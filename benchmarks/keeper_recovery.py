@@ -1,0 +1,174 @@
+"""Recovery by tier at about 13M parameters: from the node keepers' LowDiff+ replicas against
+storage (base + dense diff log), and what the keepers add to a training iteration.
+
+Run (from the repository root)::
+
+    .venv/bin/python benchmarks/keeper_recovery.py [--repeats N] [--size 13M]
+
+One invocation; the configurations run interleaved round by round (the order rotated), each on
+2 processes (the distributed optimizer with overlapped reduction) training the same GPT
+(``SIZES`` of lowdiff_overhead.py), bases every ``BASE_INTERVAL`` iterations:
+
+- ``none``: no checkpoints;
+- ``plus_bases``: LowDiff+ in the ranks, bases only (no diff log): the merger's work without
+  the keepers, the reference for what the keepers add;
+- ``plus_log``: LowDiff+ in the ranks with the dense diff log (today's per-iteration
+  recoverability from storage);
+- ``plus_keeper``: LowDiff+ with its replica and merger in the node's keeper
+  (``--diffckpt-plus-keeper-replica`` under the node launcher).
+
+In ``plus_log`` and ``plus_keeper``, rank 1 is SIGKILLed before it hands iteration ``KILL_AT``
+over (fail point ``plus-hand-over``); torchrun restarts both ranks, which recover the newest
+iteration every rank has, ``KILL_AT - 1``: ``plus_log`` from storage (the base of
+``BASE_INTERVAL`` loaded, the differentials after it read and replayed; the files are those the
+killed job just wrote, so the page cache holds them: storage at its fastest), ``plus_keeper``
+from the keepers (nothing read from storage, nothing replayed). The recovery time is the
+example's own ``recovered to iteration T in X s``: from before loading to ready to train.
+
+Per-iteration time: the median over the first attempt's iterations after ``WARMUP``, without
+those that write a base; per configuration, the median over rounds. Results go to
+``benchmarks/results/keeper_recovery.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lowdiff_overhead import RESULTS, SIZES, WARMUP, interleaved, iteration_times, run  # noqa: E402
+
+BASE_INTERVAL = 10
+KILL_AT = 19  # rank 1 dies before handing this iteration over: both tiers recover KILL_AT - 1
+TOTAL = 24
+RECOVERED = re.compile(r"recovered to iteration (\d+) in ([\d.]+) s")
+
+
+def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
+    """name -> (pretrain_gpt flags, under the node launcher with a keeper)."""
+    plus = ["--diffckpt-mode", "lowdiff-plus", "--save", ckpt, "--load", ckpt]
+    plus += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
+    return {
+        "none": ([], False),
+        "plus_bases": ([*plus, "--diffckpt-plus-no-diff-log"], False),
+        "plus_log": (plus, False),
+        "plus_keeper": ([*plus, "--diffckpt-plus-keeper-replica"], True),
+    }
+
+
+KILLED = ("plus_log", "plus_keeper")
+
+
+def _first_attempt(text: str) -> str:
+    """The log up to the restarted attempt's recovery (the whole log when nothing restarted)."""
+    cut = text.find("failpoint plus-hand-over")
+    return text if cut < 0 else text[:cut]
+
+
+def _recovery(text: str) -> dict:
+    m = RECOVERED.search(text)
+    if m is None:
+        raise SystemExit("no recovery in the restarted attempt's log")
+    out = {"iteration": int(m[1]), "seconds": float(m[2])}
+    load = re.search(r"loaded checkpoint from .* in ([\d.]+) s", text)
+    replay = re.search(r"read the diff log in ([\d.]+) s, replayed (\d+) differential\(s\) in "
+                       r"([\d.]+) s", text)  # fmt: skip
+    if load is not None:
+        out["base_load_s"] = float(load[1])
+    if replay is not None:
+        out.update(log_read_s=float(replay[1]), replayed=int(replay[2]), replay_s=float(replay[3]))
+    return out
+
+
+def measure(work: Path, size: str, repeats: int) -> dict:
+    model = SIZES[size][0]
+    runs: dict[str, list[dict]] = {name: [] for name in configs("")}
+    for round_, name in interleaved(list(runs), repeats):
+        ckpt = work / f"ckpt_{name}"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        flags, keeper = configs(str(ckpt))[name]
+        env = {"DIFFCKPT_FAILPOINT": f"plus-hand-over:{KILL_AT}@1"} if name in KILLED else {}
+        text, wall = run(
+            [*model, "--train-iters", str(TOTAL), *flags],
+            work / f"{name}_{round_}.log",
+            keeper=keeper,
+            restarts=1 if name in KILLED else 0,
+            env=env,
+        )
+        times = iteration_times(_first_attempt(text))
+        window = [
+            t for i, t in times.items() if WARMUP < i < KILL_AT - 1 and i % BASE_INTERVAL != 0
+        ]
+        row = {"iteration_s": statistics.median(window), "iterations": len(window), "wall_s": wall}
+        if name in KILLED:
+            row["recovery"] = _recovery(text[text.find("failpoint plus-hand-over") :])
+        runs[name].append(row)
+        print(f"round {round_} {name}: {row}", flush=True)
+    med = {n: statistics.median(r["iteration_s"] for r in rs) for n, rs in runs.items()}
+    rec = {
+        n: statistics.median(r["recovery"]["seconds"] for r in runs[n]) for n in KILLED
+    }  # fmt: skip
+    return {
+        "runs": runs,
+        "iteration_s": med,
+        "recovery_s": rec,
+        "summary": {
+            "storage_over_keeper_recovery": rec["plus_log"] / rec["plus_keeper"],
+            "keeper_over_plus_bases": med["plus_keeper"] / med["plus_bases"] - 1.0,
+            "keeper_over_none": med["plus_keeper"] / med["none"] - 1.0,
+            "plus_log_over_none": med["plus_log"] / med["none"] - 1.0,
+            "plus_bases_over_none": med["plus_bases"] / med["none"] - 1.0,
+            "same_state": all(
+                r["recovery"]["iteration"] == KILL_AT - 1 for n in KILLED for r in runs[n]
+            ),
+        },
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2, help="rounds (runs per configuration)")
+    parser.add_argument("--size", default="13M", choices=list(SIZES), help="the model size")
+    parser.add_argument("--work", default=None, help="scratch folder (default: temp)")
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="keeper_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    result = measure(work, args.size, args.repeats)
+    result["setup"] = {
+        "command": " ".join(["python", "benchmarks/keeper_recovery.py", *sys.argv[1:]]),
+        "size": args.size,
+        "model": SIZES[args.size][0],
+        "base_interval": BASE_INTERVAL,
+        "kill_at": KILL_AT,
+        "train_iters": TOTAL,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "minutes": (time.time() - started) / 60.0,
+    }
+    out = RESULTS / "keeper_recovery.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    s = result["summary"]
+    print(
+        f"recovery: storage {result['recovery_s']['plus_log']:.3f} s, keepers "
+        f"{result['recovery_s']['plus_keeper']:.3f} s ({s['storage_over_keeper_recovery']:.1f}x); "
+        f"iteration: keepers {100 * s['keeper_over_plus_bases']:+.1f}% over LowDiff+ in the "
+        f"ranks (bases only), {100 * s['keeper_over_none']:+.1f}% over none; wrote {out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
