@@ -161,14 +161,22 @@ def _print_keeper(k: dict) -> None:
     if "error" in k:
         print(f"keeper {k['socket']}: not reachable ({k['error']})")
         return
+    held = (k["bytes"] + k.get("reserved", 0)) / 2**20
     print(
         f"keeper {k['socket']}: {k['records']} record(s) of {k['ranks']} rank(s), "
-        f"{k['bytes'] / 2**20:.1f} of {k['memory'] / 2**20:.1f} MiB, {k['evicted']} evicted"
+        f"{len(k.get('replicas', []))} LowDiff+ replica(s), {held:.1f} of "
+        f"{k['memory'] / 2**20:.1f} MiB, {k['evicted']} evicted"
     )
     for c in k["chains"]:
         print(
             f"  rank_{c['tp_rank']}_{c['pp_rank']}_{c['dp_rank']}: iterations "
             f"{c['first']}-{c['last']}, {c['bytes']} bytes (run {c['run_id'][:8]})"
+        )
+    for r in k.get("replicas", []):
+        also = f", holds the input of {r['held']}" if r["held"] is not None else ""
+        print(
+            f"  rank_{r['tp_rank']}_{r['pp_rank']}_{r['dp_rank']}: LowDiff+ replica at "
+            f"iteration {r['merged']}{also}, {r['bytes'] / 2**20:.1f} MiB (run {r['run_id'][:8]})"
         )
 
 

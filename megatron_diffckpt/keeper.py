@@ -54,6 +54,7 @@ from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any
 
+from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.storage.format import (
     DiffLogFormatError,
     DiffRecord,
@@ -214,6 +215,7 @@ class _Handler(socketserver.BaseRequestHandler):
         state, link, from_peer = server.state, server.link, server.for_peers
         with server.lock:
             server.connections.add(self.request)
+        niced = False
         while True:
             try:
                 req, payload = _recv(self.request)
@@ -238,6 +240,8 @@ class _Handler(socketserver.BaseRequestHandler):
             elif op == "chain":
                 self._chain(req, state, link, from_peer)
             elif op.startswith("replica_") and not from_peer:
+                if not niced:  # a rank's merges: after training, as the in-process merger's
+                    niced = lower_priority()
                 reply = server.replicas.handle(op, _key(req["identity"]), req, payload)
                 _send(self.request, *reply)
             elif op == "stats":

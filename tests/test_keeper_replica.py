@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launch import REPO, RUN_TIMEOUT_S, TINY_GPT, run_gpt
+from launch import REPO, RUN_TIMEOUT_S, TINY_GPT, run_cli, run_gpt
 from test_keeper import (
     NODE_LAUNCHER,
     PRETRAIN_GPT,
@@ -36,7 +36,8 @@ from megatron_diffckpt.keeper_replica import (
     describe,
     initial_adam_state,
 )
-from megatron_diffckpt.replica_merger import ParamSlice, _replica_of
+from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
+from megatron_diffckpt.snapshot import BucketSnapshotter
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 
 SHAPES = [(3, 4), (5,)]
@@ -138,6 +139,51 @@ def test_recovery_settles_at_either_iteration_the_keeper_offers(tmp_path):
         assert hosted.settle(target) == [1]  # the held iteration's slot, merged or dropped
         assert hosted.merged == target and hosted.offer() == (target, target)
         _assert_replica_equals(hosted, other)
+
+
+def test_a_rank_hands_iterations_to_a_keeper_process_and_reads_its_replica(tmp_path):
+    """The rank's side against a real keeper process: snapshots into shared slots, hand-over,
+    the keeper's merge one behind (slots come back), a base's flush, ``inspect --keeper``."""
+    sock = str(tmp_path / "keeper.sock")
+    proc = start_keeper(sock)
+    try:
+        client = KeeperClient(sock, SegmentIdentity("run", 0, 0, 1, "layout"))
+        merger = KeeperReplicaMerger(client, _layout())
+        snapshotter = BucketSnapshotter(
+            {"b0": (NUMEL, torch.float32)}, slots=3, buffer=merger.slot_buffer
+        )
+        merger.attach(snapshotter)
+        train = _training_optimizer()
+        merger.anchor([train], 0)
+        for it in (1, 2, 3):
+            grads = torch.empty(NUMEL)
+            request = _step(train, grads, it)
+            snapshotter.on_bucket_ready("b0", grads)
+            slot = snapshotter.finish_iteration(it)
+            inputs = StepInputs(request["groups"], {})
+            merger.submit(MergeJob(it, slot, inputs, it, 8 * it, ({}, {})))
+        merger.wait_idle()
+        assert merger.merged_iteration == 2  # the keeper holds the input of 3
+        shown = run_cli("inspect", str(tmp_path), "--keeper", sock).stdout
+        assert "rank_0_0_1: LowDiff+ replica at iteration 2, holds the input of 3" in shown
+        merger.wait_merged(3)  # what a base does
+        assert merger.merged_iteration == 3
+        (replica,) = merger.optimizers  # the rank's own mapping of the keeper's pages
+        for p_train, p_rep in zip(
+            train.param_groups[0]["params"], replica.param_groups[0]["params"], strict=True
+        ):
+            assert torch.equal(p_train, p_rep)
+            for key, value in train.state[p_train].items():
+                assert torch.equal(value, replica.state[p_rep][key]), key
+        assert merger.cpu.totals()["merge step"] > 0  # the keeper's CPU, reported to the rank
+        merger.close()
+        shown = run_cli("inspect", str(tmp_path), "--keeper", sock).stdout
+        assert "0 LowDiff+ replica(s)" in shown and "replica at iteration" not in shown
+        client.close()
+        snapshotter.close()
+    finally:
+        stop(sock)
+        proc.wait(30)
 
 
 def test_a_replica_over_the_keepers_cap_is_refused_naming_the_flag(tmp_path):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, _env, run_cli, run_gpt, run_until_killed, tracker_at
+from launch import REPO, RUN_TIMEOUT_S, _env, run_cli, run_gpt, run_until_killed, tracker_at
 
 from megatron_diffckpt.patches.base import installed_megatron_core_version, release_order
 
@@ -323,6 +323,38 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
         assert len(shares) == 2 and max(shares) > 0, shares
     final = f"iter_{TOTAL:07d}"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(TOTAL)
+    _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
+
+
+@pytest.mark.distributed
+def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exactly(
+    tmp_path, straight_runs
+):
+    """Megatron-LM's loop under the node launcher with a keeper and torchrun's restarts, the
+    replica in the keeper: rank 1 dies before handing iteration 9 over; the restarted ranks
+    (Megatron-LM loads base 5) take the keepers' replicas at 8, and the final checkpoint and
+    the losses equal the uninterrupted run's."""
+    layout = "dp2-async-save"
+    gpt = [*GPT, *LAYOUTS[layout][0].split()]
+    straight, expected_losses = straight_runs(layout)
+    ckpt = tmp_path / "ckpt"
+    plus = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
+    plus += ["--diffckpt-mode", "lowdiff-plus", "--diffckpt-plus-keeper-replica"]
+    launcher = REPO / "examples" / "gpt" / "node_launcher.py"
+    cmd = [sys.executable, str(launcher), "--diffckpt-keeper-memory", "64", "--standalone"]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), *gpt, *plus]
+    cmd += ["--train-iters", str(TOTAL)]
+    env = dict(_env(), DIFFCKPT_FAILPOINT="plus-hand-over:9@1")
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    restarted = log[log.index("failpoint plus-hand-over #9: SIGKILL of rank 1") :]
+    assert "recovery: iteration 8 from the node's keeper's replica" in restarted, log[-4000:]
+    assert re.search(r"recovered to iteration 8 \(base 5\)", restarted)
+    _assert_same_losses(_resumed_losses(restarted, 8), expected_losses)
+    final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
 
 

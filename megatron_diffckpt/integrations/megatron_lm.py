@@ -16,6 +16,9 @@ to the :class:`~megatron_diffckpt.manager.DiffCheckpointManager` through its pub
    resume at the recovered iteration; the RNG states are set again at the first ``train_step``,
    after building the data iterators drew from torch's generator), and capture starts
    (LowDiff: the optimizer-step hook; LowDiff+: bucket snapshots, pipeline bubbles, the replica).
+   With ``--diffckpt-plus-keeper-replica``, the node keepers' LowDiff+ replicas, newer than the
+   base, replace the loaded state instead of a replay (Megatron-LM has read the base by then;
+   the example's loop asks the keepers first and reads no base).
 2. ``training.train_step``: after it, the iteration's differential is handed off (timed by
    Megatron-LM's timers as ``diffckpt-diff``), and once, the rank's shard map is written
    (``megatron-diffckpt merge``). Every ``--log-interval``, the timer (min/max across ranks) and
@@ -184,7 +187,12 @@ class _Run:
         )
         if loaded:
             base = self.base_loaded = args.iteration
-            iteration, steps, consumed = self.manager.recover(base, base_load_s=setup_s)
+            # With LowDiff+'s replica in the node keepers, their replicas (newer than the base
+            # Megatron-LM loaded) replace its state; else the differentials are replayed.
+            kept = self.manager.recover_from_keeper()
+            iteration, steps, consumed = (
+                kept if kept is not None else self.manager.recover(base, base_load_s=setup_s)
+            )
             if steps is not None:
                 scheduler.num_steps = steps
                 scheduler.step(increment=0)  # the learning rate the next iteration uses
