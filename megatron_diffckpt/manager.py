@@ -39,7 +39,7 @@ from typing import Any
 import psutil
 import torch
 
-from megatron_diffckpt import full_storage, keeper_replica, recovery, retention
+from megatron_diffckpt import full_storage, keeper_merger, recovery, retention
 from megatron_diffckpt.autotune import (
     Decision,
     OnlineTuner,
@@ -184,7 +184,7 @@ class DiffCheckpointManager:
             None if getattr(o, "is_stub_optimizer", False) else o.optimizer
             for o in optimizer_step.inner_optimizers(self.optimizer)
         ]
-        got = keeper_replica.recover_from_keepers(
+        got = keeper_merger.recover_from_keepers(
             self.keeper,
             torch_optimizers,
             lambda: optimizer_step.publish_main_params(self.optimizer),

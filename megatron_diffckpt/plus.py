@@ -37,7 +37,7 @@ import torch
 from megatron_diffckpt import failpoints, full_storage, recovery
 from megatron_diffckpt.background import CpuMeter, lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
-from megatron_diffckpt.keeper_replica import KeeperReplicaMerger
+from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
 from megatron_diffckpt.patches import (
     base_checkpoint,
     bucket_snapshot,

@@ -19,6 +19,14 @@ each at its own best setting:
   :func:`lowdiff_plus_choice` says which.
 - **full checkpointing**: stock async saves only; after a failure the iterations since the newest
   checkpoint are recomputed.
+- **with the node keepers** (:mod:`~megatron_diffckpt.keeper`): a share ``kept_share`` of the
+  failures leaves the hosts up; the ranks restart in the allocation (``kept_restart_s``) and
+  recover every iteration they handed over. ``LowDiff + keepers``: the differentials from the
+  keeper (none lost; base load and replay as from storage). ``LowDiff+ in keepers``
+  (``--diffckpt-plus-keeper-replica``): the replica from the keeper (a host-to-device copy of
+  the shard's fp32 parameters and moments, no base, no replay) and bases only to storage (no
+  dense log), which serve the other failures. A node lost whole goes to storage here (the
+  peers' copy is not modelled).
 
 Storage is shared: each rank gets ``storage_bandwidth / N`` for writes and reads, so a base
 takes ``P * bytes_per_param / storage_bandwidth`` to persist, whatever N. A full
@@ -34,7 +42,7 @@ fails every ``50,676 / N`` hours on average (failures of independent components 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_diffckpt.tuning import CostInputs, Plan, full_checkpointing, optimize, step_s
 
@@ -76,6 +84,11 @@ class JobSpec:
     """Training-path cost of capturing one differential (copy of the sparse shard)."""
     host_memory_budget: float = 16e9
     """Host memory one rank's diff writer may use, bytes."""
+    kept_share: float = 0.5
+    """Share of failures that leave the hosts up (only ranks die), so that the node keepers'
+    memory serves the restart: an assumption to set from a cluster's own failure records."""
+    kept_restart_s: float = 120.0
+    """torchrun restarting the ranks inside the allocation after such a failure."""
 
     def __post_init__(self) -> None:
         if self.gpus % (self.tensor_parallel * self.pipeline_parallel):
@@ -138,8 +151,23 @@ def full_inputs(job: JobSpec) -> CostInputs:
     return _inputs(job, diff_bytes=0.0, base_stall=True)
 
 
+def with_keepers(job: JobSpec, c: CostInputs, replica: bool) -> CostInputs:
+    """``c`` with the node keepers: a share of the failures recovered from host memory, from
+    LowDiff+'s replicas (``replica``: main parameters and two Adam moments, fp32, copied to the
+    device) or from LowDiff's differentials (then base + replay, as from storage)."""
+    copy = job.shard_params * 12.0 / job.staging_bandwidth if replica else None
+    return replace(
+        c,
+        kept_share=job.kept_share,
+        kept_restart_s=job.kept_restart_s,
+        kept_recovery_s=copy,
+    )
+
+
 LOWDIFF_PLUS_LOG = "LowDiff+ (diff log)"
 LOWDIFF_PLUS_BASES = "LowDiff+ (bases only)"
+LOWDIFF_KEEPERS = "LowDiff + keepers"
+LOWDIFF_PLUS_KEEPERS = "LowDiff+ in keepers"
 
 
 def lowdiff_plus_plans(c: CostInputs, max_interval: int = 1_000_000) -> dict[str, Plan]:
@@ -164,10 +192,15 @@ def lowdiff_plus_choice(c: CostInputs, plans: dict[str, Plan]) -> str:
 
 
 def compare(job: JobSpec) -> dict[str, Plan]:
-    """Each strategy at its own best (F, B)."""
+    """Each strategy at its own best (F, B): storage only, and with the node keepers
+    (LowDiff's differentials in them; LowDiff+'s replica in them, with bases only to
+    storage)."""
+    plus = lowdiff_plus_inputs(job)
     return {
         "LowDiff": optimize(lowdiff_inputs(job)),
-        **lowdiff_plus_plans(lowdiff_plus_inputs(job)),
+        LOWDIFF_KEEPERS: optimize(with_keepers(job, lowdiff_inputs(job), replica=False)),
+        **lowdiff_plus_plans(plus),
+        LOWDIFF_PLUS_KEEPERS: full_checkpointing(with_keepers(job, plus, replica=True)),
         "full checkpointing": full_checkpointing(full_inputs(job)),
     }
 

@@ -37,6 +37,14 @@ and the batch being written (:math:`w(B)/t(B)` iterations). With
 :math:`K(B) = R + \ell + \big(\tfrac{B}{2} + \tfrac{w(B)}{t(B)}\big)t(B)`, the cost of one
 failure is :math:`C(F, B) = K(B) + \tfrac{F}{2}\,r`.
 
+**Tiers.** With the node keepers (:mod:`~megatron_diffckpt.keeper`), a share :math:`q`
+(``kept_share``) of the failures leaves every iteration the ranks handed over in host memory
+that outlived them: those cost the restart inside the allocation :math:`R_k`, the recovery, and
+the iteration in flight, :math:`C_k(F) = R_k + x + t/2` from LowDiff+'s replicas in the keepers
+(``kept_recovery_s``, no base, no replay) or :math:`R_k + \ell + \tfrac{F}{2} r + t/2` from
+their differentials. Then :math:`C = (1 - q)\,C + q\,C_k`, again linear in F: the optimum
+below holds with :math:`K = C(0, B)` and :math:`r` the slope's replay (``replay_slope_s``).
+
 **Expected wall time per useful iteration.** Failures arrive at rate :math:`\lambda` per second of
 wall time, each wasting :math:`C` seconds, so a share :math:`\lambda C` of the time makes no
 progress (first order in :math:`\lambda C`, the renewal approximation; the simulator in the tests
@@ -105,6 +113,14 @@ class CostInputs:
     """Bytes of host memory the diff writer may hold."""
     max_pending: int = 2
     """Writes that may wait for the writer (--diffckpt-max-pending)."""
+    kept_share: float = 0.0
+    """q: share of the failures after which the node keepers still hold every iteration the
+    ranks handed over (only ranks died; their hosts are up)."""
+    kept_restart_s: float = 0.0
+    """R_k: restarting the ranks inside the allocation after such a failure (no requeue)."""
+    kept_recovery_s: float | None = None
+    """x: recovering from the keepers' LowDiff+ replicas (a host-to-device copy); ``None``: the
+    keepers hold differentials, and recovery loads the base and replays as from storage."""
 
     def __post_init__(self) -> None:
         if self.iteration_s <= 0:
@@ -117,6 +133,10 @@ class CostInputs:
                 raise ValueError(f"{name} must be >= 0")
         if self.write_bandwidth <= 0 or self.mtbf_s <= 0 or self.host_memory_budget <= 0:
             raise ValueError("write_bandwidth, mtbf_s and host_memory_budget must be > 0")
+        if not 0.0 <= self.kept_share <= 1.0:
+            raise ValueError(f"kept_share must be in [0, 1], got {self.kept_share}")
+        if self.kept_restart_s < 0 or (self.kept_recovery_s or 0.0) < 0:
+            raise ValueError("kept_restart_s and kept_recovery_s must be >= 0")
 
     @property
     def failure_rate(self) -> float:
@@ -157,10 +177,31 @@ def base_stall_s(c: CostInputs, full_interval: float, batch: int) -> float:
 
 
 def failure_cost_s(c: CostInputs, full_interval: float, batch: int) -> float:
-    """C(F, B): expected seconds lost per failure."""
+    """C(F, B): expected seconds lost per failure (a share ``kept_share`` of them recovered
+    from the node keepers)."""
     t = step_s(c, batch)
     lost_iterations = batch / 2.0 + write_s(c, batch) / t
-    return c.restart_s + c.base_load_s + lost_iterations * t + full_interval / 2.0 * c.replay_s
+    storage = c.restart_s + c.base_load_s + lost_iterations * t + full_interval / 2.0 * c.replay_s
+    if c.kept_share == 0.0:
+        return storage
+    return (1.0 - c.kept_share) * storage + c.kept_share * kept_failure_cost_s(c, full_interval, t)
+
+
+def kept_failure_cost_s(c: CostInputs, full_interval: float, t: float) -> float:
+    """C_k(F): a failure the keepers survive: the restart in the allocation, the recovery (from
+    their replicas, or base + replay of their differentials), and the iteration in flight."""
+    if c.kept_recovery_s is not None:
+        recovery = c.kept_recovery_s
+    else:
+        recovery = c.base_load_s + full_interval / 2.0 * c.replay_s
+    return c.kept_restart_s + recovery + t / 2.0
+
+
+def replay_slope_s(c: CostInputs) -> float:
+    """r_eff = 2 dC/dF: replay per differential, over the failures that replay (all, but those
+    the keepers' replicas serve)."""
+    replicas = c.kept_share if c.kept_recovery_s is not None else 0.0
+    return c.replay_s * (1.0 - replicas)
 
 
 def wall_per_iteration(c: CostInputs, full_interval: float, batch: int) -> float:
@@ -173,7 +214,7 @@ def wall_per_iteration(c: CostInputs, full_interval: float, batch: int) -> float
 
 def optimal_full_interval(c: CostInputs, batch: int, max_interval: int = 1_000_000) -> float:
     """F*(B), the continuous minimiser of W over F (closed form), capped at ``max_interval``."""
-    lam, r, cb = c.failure_rate, c.replay_s, c.base_stall_s
+    lam, r, cb = c.failure_rate, replay_slope_s(c), c.base_stall_s
     if cb == 0:
         return 1.0  # bases are free: take one every iteration
     if lam == 0 or r == 0:

@@ -8,7 +8,10 @@ previous base's persist, blocks ``c_b``, and is published ``p`` later. Failures 
 Poisson process in wall time (also during recovery). A failure loses everything not durable: new
 processes start (``R``), load the newest published base (``l``), replay the durable differentials
 after it (``r`` each), and go on from there; the diff log starts a new chain at the recovered
-iteration, and writes in flight are lost.
+iteration, and writes in flight are lost. A share ``kept_share`` of the failures (drawn at each)
+leaves the node keepers holding every iteration done: the ranks restart in the allocation
+(``R_k``) and recover it from the keepers' replicas (``x``), or from the base and the keepers'
+differentials (``l`` + ``r`` each).
 """
 
 from __future__ import annotations
@@ -55,8 +58,15 @@ def simulate(c: CostInputs, full_interval: int, batch: int, iterations: int, see
             while True:  # recover; a failure during recovery starts it over
                 completed = [i for t, i in writes if t <= now]
                 base = max([last_base] + [i for t, i in bases if t <= now])
-                durable = max([written, base, chain_start, *completed])
-                recovered = now + c.restart_s + c.base_load_s + (durable - base) * c.replay_s
+                if rng.random() < c.kept_share:  # the keepers hold all that was handed over
+                    durable = done
+                    recovery = c.kept_recovery_s
+                    if recovery is None:  # their differentials: the base, then replay
+                        recovery = c.base_load_s + (durable - base) * c.replay_s
+                    recovered = now + c.kept_restart_s + recovery
+                else:
+                    durable = max([written, base, chain_start, *completed])
+                    recovered = now + c.restart_s + c.base_load_s + (durable - base) * c.replay_s
                 failure = next_failure(now)
                 if failure >= recovered:
                     break

@@ -95,6 +95,8 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         "LowDiff",
         "LowDiff+ (diff log)",
         "LowDiff+ (bases only)",
+        "LowDiff + keepers",
+        "LowDiff+ in keepers",
         "full checkpointing",
     }
     by_gpus = {g: [r for r in rows if r["gpus"] == g] for g in gpus}
@@ -106,6 +108,11 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         (r["full_interval"] for r in full), reverse=True
     )
     assert [r["lost_hours"] for r in full] == sorted(r["lost_hours"] for r in full)
+    # With the keepers serving half the failures from host memory, each system loses less.
+    for g in gpus:
+        lost = {r["strategy"]: r["lost_hours"] for r in by_gpus[g]}
+        assert lost["LowDiff + keepers"] < lost["LowDiff"]
+        assert lost["LowDiff+ in keepers"] < lost["LowDiff+ (bases only)"]
 
 
 def test_tune_refuses_a_layout_that_does_not_divide(capsys):

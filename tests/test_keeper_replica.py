@@ -29,14 +29,10 @@ from test_keeper import (
 
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.keeper import KeeperClient, stop
-from megatron_diffckpt.keeper_replica import (
-    HostedReplica,
-    KeeperReplicaMerger,
-    SharedArena,
-    describe,
-    initial_adam_state,
-)
+from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
+from megatron_diffckpt.keeper_replica import HostedReplica
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
+from megatron_diffckpt.shared_replica import SharedArena, describe, initial_adam_state
 from megatron_diffckpt.snapshot import BucketSnapshotter
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 

@@ -25,6 +25,7 @@ from megatron_diffckpt.scale_plan import (
 )
 from megatron_diffckpt.tuning import (
     CostInputs,
+    failure_cost_s,
     full_checkpointing,
     max_batch,
     optimal_full_interval,
@@ -186,3 +187,47 @@ def test_lowdiff_plus_keeps_the_diff_log_only_where_storage_takes_it():
     assert lowdiff_plus_choice(rare, plans) == LOWDIFF_PLUS_LOG
     # Bases only: as often as storage writes them (14 bytes per parameter at 10 GB/s: 9.8 s).
     assert bases.full_interval == math.ceil(7e9 * 14 / 10e9 / 2.0)
+
+
+# Half the failures leave the hosts up: the keepers serve them, from LowDiff's differentials
+# (base + replay) or from LowDiff+'s replicas (a copy, no replay).
+KEPT = {
+    "differentials": dict(kept_share=0.5, kept_restart_s=10.0),
+    "replicas": dict(kept_share=0.5, kept_restart_s=10.0, kept_recovery_s=0.5),
+}
+
+
+@pytest.mark.parametrize("kept", sorted(KEPT))
+def test_the_keepers_tier_is_predicted_as_simulated_and_optimised_in_f(kept):
+    c = replace(SCENARIOS["fast-writer-mtbf-10min"], **KEPT[kept])
+    if kept == "replicas":  # LowDiff+ in the keepers: bases only to storage, no diff log
+        c = replace(c, diff_s=0.0, diff_bytes=0.0, write_latency_s=0.0, replay_s=c.iteration_s)
+    best = optimize(c)
+    f = optimal_full_interval(c, best.batch_size)
+    brute = min(range(1, int(4 * f) + 2), key=lambda n: wall_per_iteration(c, n, best.batch_size))
+    assert brute in (math.floor(f), math.ceil(f)), (f, brute)
+    for interval in (max(1, best.full_interval // 3), best.full_interval):
+        predicted = plan(c, interval, best.batch_size).wall_per_iteration_s
+        simulated = mean_wall_per_iteration(c, interval, best.batch_size, ITERATIONS, SEEDS)
+        assert predicted == pytest.approx(simulated, rel=0.03), interval
+
+
+def test_failures_the_keepers_serve_cost_less_and_lengthen_the_base_interval():
+    storage = SCENARIOS["fast-writer-mtbf-10min"]
+    kept = replace(storage, **KEPT["differentials"])
+    assert optimize(kept).overhead < optimize(storage).overhead
+    # No write batch is lost to a failure the keepers survive; the base and replay remain.
+    t = step_s(storage, 4)
+    assert failure_cost_s(kept, 20, 4) == pytest.approx(
+        0.5 * failure_cost_s(storage, 20, 4) + 0.5 * (10.0 + 10.0 + 10 * 0.05 + t / 2)
+    )
+    # From the replicas a kept failure costs the same whatever F: bases get rarer.
+    bases = replace(storage, diff_s=0.0, diff_bytes=0.0, write_latency_s=0.0, replay_s=1.0)
+    with_replicas = replace(bases, **KEPT["replicas"])
+    assert full_checkpointing(with_replicas).full_interval > full_checkpointing(bases).full_interval
+    assert full_checkpointing(with_replicas).overhead < full_checkpointing(bases).overhead
+
+
+def test_a_keepers_share_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError, match="kept_share"):
+        CostInputs(**BASE, kept_share=1.5)

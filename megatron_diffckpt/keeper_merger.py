@@ -1,0 +1,262 @@
+"""The rank's side of LowDiff+'s replica in the node's keeper: hand-over and recovery.
+
+:class:`KeeperReplicaMerger` stands in for the in-process
+:class:`~megatron_diffckpt.replica_merger.ReplicaMerger` when the replica and its merger live in
+the node's keeper (:mod:`~megatron_diffckpt.keeper_replica`, where the whole protocol is
+described); :func:`recover_from_keepers` recovers every rank from its keeper's replica, when
+every rank can.
+
+Which threads: :class:`KeeperReplicaMerger`'s methods are the training thread's, as
+``ReplicaMerger``'s; its hand-over thread does the rest. :func:`recover_from_keepers`: all ranks,
+collectively.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from megatron_diffckpt.background import BackgroundWorker, CpuMeter
+from megatron_diffckpt.capture import restore_rng
+from megatron_diffckpt.errors import DiffCkptUsageError
+from megatron_diffckpt.replica_merger import MergeJob, ShardLayout, _replica_of
+from megatron_diffckpt.shared_replica import SharedArena, build, describe, initial_adam_state
+from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
+from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
+
+logger = logging.getLogger(__name__)
+
+KEEPER_FLAG_HINT = "raise the node launcher's --diffckpt-keeper-memory"
+
+
+class KeeperReplicaMerger:
+    """:class:`~megatron_diffckpt.replica_merger.ReplicaMerger`'s interface, with the replica
+    and its merger in the node's keeper (``client``: this rank's
+    :class:`~megatron_diffckpt.keeper.KeeperClient`).
+
+    Build the :class:`BucketSnapshotter` with ``buffer=merger.slot_buffer`` (its slots in
+    shared memory) and one slot more than in-process (the keeper holds one), then
+    :meth:`attach` it.
+    """
+
+    def __init__(self, client: Any, layout: ShardLayout, cpu: CpuMeter | None = None):
+        self.client = client
+        self.layout = layout
+        self.cpu = cpu if cpu is not None else CpuMeter()
+        self.arena = SharedArena(client.shm_folder())
+        self.optimizers: list[torch.optim.Optimizer | None] = []
+        self.snapshotter: BucketSnapshotter | None = None
+        self.resumed: tuple[int, list[Any]] | None = None
+        """Set by :func:`recover_from_keepers`: the iteration and description of the keeper's
+        replica the training state was copied from (the next :meth:`anchor` keeps it)."""
+        self._slot_specs: list[dict[str, Any]] = []
+        self._held: dict[int, SnapshotSlot] = {}
+        self._merged = -1
+        self._cpu_seen: dict[str, float] = {}
+        self._cond = threading.Condition()
+        self.merge_seconds = 0.0
+        """The keeper's time merging this rank's iterations, cumulative."""
+        self._worker = BackgroundWorker(
+            "diffckpt-keeper-hand-over", self._hand_over, drop=self._drop, on_error=self._failed
+        )
+
+    def slot_buffer(self, slot: int, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A snapshot slot's buffer in shared memory (``BucketSnapshotter(buffer=...)``)."""
+        tensor = self.arena.empty((numel,), dtype)
+        while len(self._slot_specs) <= slot:
+            self._slot_specs.append({})
+        self._slot_specs[slot][key] = self.arena.spec(tensor)
+        return tensor
+
+    def attach(self, snapshotter: BucketSnapshotter) -> None:
+        self.snapshotter = snapshotter
+
+    # ----------------------------------------------------------------- training thread
+    def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        """Make the keeper's replica equal to ``torch_optimizers`` after ``iteration`` (a new
+        copy in shared memory, or, after a recovery from the keeper, the replica it came from)."""
+        self.wait_idle()
+        request: dict[str, Any] = {"op": "replica_open", "iteration": iteration}
+        if self.resumed is not None and self.resumed[0] == iteration:
+            description = self.resumed[1]
+            optimizers, request["reuse"] = build(description), True
+        else:
+            optimizers = [
+                None if o is None else _replica_of(o, self.arena.copy, prefix=f"o{i}.")
+                for i, o in enumerate(torch_optimizers)
+            ]
+            for opt in optimizers:
+                if opt is not None:
+                    initial_adam_state(opt, self.arena.copy)
+            description = describe(optimizers, self.arena.spec)
+        self.resumed = None
+        request["optimizers"] = description
+        request["layout"] = [
+            [[[w.bucket, w.start, w.end] for w in group] for group in inner]
+            for inner in self.layout
+        ]
+        request["slots"] = self._slot_specs
+        self._call(request)
+        self.optimizers = optimizers
+        self.arena.specs.clear()  # the keeper owns the files now
+        with self._cond:
+            self._merged = iteration
+            self._cond.notify_all()
+
+    def submit(self, job: MergeJob) -> None:
+        self._raise_background_error()
+        self._worker.put(job)
+
+    @property
+    def merged_iteration(self) -> int:
+        return self._merged
+
+    def wait_merged(self, iteration: int) -> float:
+        """Block until the keeper's replica holds ``iteration``; the seconds waited."""
+        start = time.perf_counter()
+        self.wait_idle()
+        if self._merged < iteration:
+            self._released(self._call({"op": "replica_flush", "through": iteration}))
+        return time.perf_counter() - start
+
+    def wait_idle(self) -> None:
+        self._worker.join()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Hand over what is queued, then drop the replica (the job ended: its final base is
+        the training loop's)."""
+        self._worker.stop()
+        self._raise_background_error()
+        self.client.call({"op": "replica_close"})
+
+    # ----------------------------------------------------------------- hand-over thread
+    def _hand_over(self, job: MergeJob) -> None:
+        if job.slot is not None:
+            job.slot.wait_ready()
+            self._held[job.slot.index] = job.slot
+        rng = job.rng if job.rng is not None else ({}, {})
+        scalars = {"scheduler_steps": job.scheduler_steps, "consumed_samples": job.consumed_samples}
+        record = encode_record(DiffRecord(job.iteration, {**scalars, **rng[0]}, dict(rng[1])))
+        request = {
+            "op": "replica_merge",
+            "iteration": job.iteration,
+            "slot": None if job.slot is None else job.slot.index,
+            "filled": sorted(job.slot.filled) if job.slot is not None else [],
+            "groups": job.inputs.groups,
+            "clip": {str(k): v for k, v in job.inputs.clip_coeffs.items()},
+        }
+        self._released(self._call(request, record))
+        self.client.held_iteration = job.iteration
+
+    def _released(self, reply: dict[str, Any]) -> None:
+        for index in reply["released"]:
+            self.snapshotter.release(self._held.pop(index))
+        self.merge_seconds += reply["merge_s"]
+        for activity, total in reply["cpu"].items():  # the keeper's merge CPU, as in-process
+            self.cpu.add(activity, total - self._cpu_seen.get(activity, 0.0))
+        self._cpu_seen = dict(reply["cpu"])
+        with self._cond:
+            self._merged = max(self._merged, int(reply["merged"]))
+            self._cond.notify_all()
+
+    def _call(self, request: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:
+        reply = self.client.call(request, payload)
+        if reply is None:
+            raise RuntimeError(
+                f"LowDiff+: the node's keeper, which holds this rank's replica, is gone "
+                f"({self.client.lost}); a restart recovers from storage's newest base"
+            )
+        if "error" in reply[0]:
+            message = f"the node's keeper refused LowDiff+'s replica: {reply[0]['error']}"
+            if "cap" in reply[0]["error"]:
+                raise DiffCkptUsageError(f"{message}; {KEEPER_FLAG_HINT}")
+            raise RuntimeError(message)
+        return reply[0]
+
+    def _drop(self, job: MergeJob) -> None:
+        if job.slot is not None and job.slot.index not in self._held:
+            self.snapshotter.release(job.slot)
+
+    def _failed(self, exc: BaseException) -> None:
+        logger.error("LowDiff+: handing an iteration to the keeper failed", exc_info=exc)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _raise_background_error(self) -> None:
+        if self._worker.error is not None:
+            raise RuntimeError("LowDiff+: the hand-over to the keeper failed") from (
+                self._worker.error
+            )
+
+
+def load_replica(
+    torch_optimizers: list[torch.optim.Optimizer | None],
+    replicas: list[torch.optim.Optimizer | None],
+) -> None:
+    """Copy ``replicas`` (parameters and state) into the training ``torch_optimizers``, state
+    created where a fresh optimizer has none, on its parameter's device."""
+    for opt, replica in zip(torch_optimizers, replicas, strict=True):
+        if opt is None or replica is None:
+            continue
+        for g_dst, g_src in zip(opt.param_groups, replica.param_groups, strict=True):
+            on_device = bool(g_dst.get("capturable") or g_dst.get("fused"))
+            for p_dst, p_src in zip(g_dst["params"], g_src["params"], strict=True):
+                p_dst.detach().copy_(p_src)
+                state = opt.state[p_dst]
+                for k, v in replica.state.get(p_src, {}).items():
+                    if not torch.is_tensor(v):
+                        state[k] = v
+                    elif torch.is_tensor(state.get(k)):
+                        state[k].copy_(v)
+                    else:
+                        device = p_dst.device if (k != "step" or on_device) else "cpu"
+                        state[k] = v.to(device, copy=True)
+
+
+def recover_from_keepers(
+    client: Any,
+    torch_optimizers: list[torch.optim.Optimizer | None],
+    publish: Any,
+    rng_tracker: Any,
+    all_reduce_min: Any,
+) -> tuple[int, DiffRecord, float, list[Any]] | None:
+    """Recover this rank from its keeper's replica, when every rank can. All ranks, together.
+
+    ``client`` is this rank's keeper client (``None``: none runs); ``publish()`` makes the
+    model's parameters follow the copied main parameters (collective); ``all_reduce_min`` is
+    :func:`~megatron_diffckpt.recovery.all_reduce_min`. Returns ``(iteration, its record, the
+    seconds it took, the replica's description)``, or ``None`` when some rank's keeper cannot
+    reach the iteration every rank reaches (then every rank recovers from storage).
+    """
+    start = time.perf_counter()
+    reply = client.call({"op": "replica_state"}) if client is not None else None
+    held = reply[0].get("replica") if reply is not None else None
+    low, high = (held["low"], held["high"]) if held else (-1, -1)
+    target = all_reduce_min([high])[0]
+    can = held is not None and target >= 0 and low <= target <= high
+    if not all_reduce_min([int(can)])[0]:
+        if target < 0:
+            logger.info("recovery: the node keepers hold no replica: recovering from storage")
+        else:
+            logger.info(
+                "recovery: not every rank's keeper reaches iteration %d (this rank's: %s): "
+                "recovering from storage",
+                target,
+                f"{low}-{high}" if held else "none",
+            )
+        return None
+    records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
+    settled = client.call({"op": "replica_settle", "iteration": target})
+    if settled is None or "error" in settled[0]:
+        raise RuntimeError(f"the node's keeper could not settle at {target}: {settled}")
+    replicas = build(held["optimizers"])
+    load_replica(torch_optimizers, replicas)
+    publish()
+    restore_rng([records[target]], rng_tracker)
+    return target, records[target], time.perf_counter() - start, held["optimizers"]

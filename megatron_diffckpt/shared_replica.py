@@ -1,0 +1,159 @@
+"""LowDiff+'s replica as plain data over shared memory: what a rank and its node's keeper share.
+
+A replica (the torch optimizers of one rank's shard: main parameters, Adam moments, steps) is
+*described* as plain data (:func:`describe`: class, group options, per tensor a
+``{"file", "shape", "dtype"}`` spec) and *built* again from that description in another
+process (:func:`build`) over the same pages: files of a shared-memory folder (``/dev/shm``)
+mapped shared (:func:`map_tensor`), so that writes by one process are seen by the other. A rank
+creates the files (:class:`SharedArena`); :mod:`~megatron_diffckpt.keeper_replica` is the
+keeper's side, :mod:`~megatron_diffckpt.keeper_merger` the rank's.
+
+Any process, any thread; nothing here talks to another process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+    )  # fmt: skip
+}
+_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+
+
+def map_tensor(spec: dict[str, Any]) -> torch.Tensor:
+    """The tensor a ``{"file", "shape", "dtype"}`` spec names, mapped shared (writes are seen by
+    every process that maps the file)."""
+    shape, dtype = tuple(spec["shape"]), _DTYPES[spec["dtype"]]
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_file(spec["file"], shared=True, size=numel, dtype=dtype).view(shape)
+
+
+class SharedArena:
+    """Tensors this rank creates in files of the keeper's shared-memory folder.
+
+    File names carry the process id and a counter, so a restarted rank never maps its
+    predecessor's files; the keeper removes a file when it stops using it, and the whole
+    folder when it stops.
+    """
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._count = 0
+        self.specs: dict[int, dict[str, Any]] = {}  # id(tensor) -> its spec
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self._count += 1
+        spec = {
+            "file": os.path.join(self.folder, f"{os.getpid()}-{self._count}"),
+            "shape": list(shape),
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        tensor = map_tensor(spec)
+        self.specs[id(tensor)] = spec
+        return tensor
+
+    def copy(self, source: torch.Tensor, _name: str = "") -> torch.Tensor:
+        """A shared copy of ``source`` (a replica allocator)."""
+        tensor = self.empty(tuple(source.shape), source.dtype)
+        tensor.copy_(source.detach())
+        return tensor
+
+    def spec(self, tensor: torch.Tensor) -> dict[str, Any]:
+        return self.specs[id(tensor)]
+
+
+def describe(optimizers: list[torch.optim.Optimizer | None], spec_of: Any) -> list[Any]:
+    """The replica ``optimizers`` as plain data: class, group options, and per parameter the
+    spec of its tensor and of each state tensor (``spec_of(tensor)``)."""
+    out: list[Any] = []
+    for opt in optimizers:
+        if opt is None:
+            out.append(None)
+            continue
+        groups = []
+        for group in opt.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            params = []
+            for p in group["params"]:
+                state = {
+                    k: {"tensor": spec_of(v)} if torch.is_tensor(v) else {"value": v}
+                    for k, v in opt.state.get(p, {}).items()
+                }
+                params.append({"param": spec_of(p), "state": state})
+            groups.append({"options": options, "params": params})
+        out.append({"class": type(opt).__name__, "groups": groups})
+    return out
+
+
+def build(description: list[Any]) -> list[torch.optim.Optimizer | None]:
+    """The optimizers :func:`describe` described, over mapped tensors."""
+    optimizers: list[torch.optim.Optimizer | None] = []
+    for d in description:
+        if d is None:
+            optimizers.append(None)
+            continue
+        groups, states = [], []
+        for g in d["groups"]:
+            params = [map_tensor(p["param"]) for p in g["params"]]
+            groups.append({"params": params, **g["options"]})
+            for p, spec in zip(params, g["params"], strict=True):
+                states.append((p, spec["state"]))
+        opt = _OPTIMIZERS[d["class"]](groups)
+        for p, state in states:
+            if state:
+                opt.state[p] = {
+                    k: map_tensor(v["tensor"]) if "tensor" in v else v["value"]
+                    for k, v in state.items()
+                }
+        optimizers.append(opt)
+    return optimizers
+
+
+def files_of(description: list[Any], slots: list[dict[str, Any]]) -> set[str]:
+    files = {s["file"] for slot in slots for s in slot.values()}
+    for d in description:
+        for g in d["groups"] if d else []:
+            for p in g["params"]:
+                files.add(p["param"]["file"])
+                files.update(v["tensor"]["file"] for v in p["state"].values() if "tensor" in v)
+    return files
+
+
+def nbytes_of(description: list[Any], slots: list[dict[str, Any]]) -> int:
+    specs = [s for slot in slots for s in slot.values()]
+    for d in description:
+        for g in d["groups"] if d else []:
+            for p in g["params"]:
+                specs.append(p["param"])
+                specs.extend(v["tensor"] for v in p["state"].values() if "tensor" in v)
+    return sum(math.prod(s["shape"]) * _DTYPES[s["dtype"]].itemsize for s in specs)
+
+
+def initial_adam_state(opt: torch.optim.Optimizer, alloc: Any) -> None:
+    """Give each parameter without state (no step yet) the state torch Adam's first step would
+    create, made by ``alloc(tensor)``: in shared memory, the keeper's steps update it in place
+    where the rank and a recovery see it (a state Adam created lazily would be the keeper's)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if opt.state.get(p):
+                continue
+            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            state = {"step": alloc(torch.tensor(0.0, dtype=torch.float32))}
+            state.update({n: alloc(torch.zeros_like(p)) for n in names})
+            opt.state[p] = state
