@@ -239,7 +239,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")})
             elif op == "chain":
                 self._chain(req, state, link, from_peer)
-            elif op.startswith("replica_") and not from_peer:
+            elif op.startswith("replica_") and op.startswith("replica_copy_") == from_peer:
                 if not niced:  # a rank's merges: after training, as the in-process merger's
                     niced = lower_priority()
                 reply = server.replicas.handle(op, _key(req["identity"]), req, payload)
@@ -283,7 +283,7 @@ class _Serving:
     def stats(self) -> dict[str, Any]:
         out = self.state.stats()
         if self.replicas is not None:
-            out["replicas"] = self.replicas.stats()
+            out.update(self.replicas.stats())
             out["shm"] = self.replicas.folder
         if self.link is not None:
             out["peer"] = {"successor": self.link.successor, "dropped": self.link.dropped}
@@ -364,7 +364,9 @@ def serve(
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         shm = tempfile.mkdtemp(prefix="diffckpt-keeper-", dir=base)
     os.makedirs(shm, mode=0o700, exist_ok=True)
-    local.replicas = HostedReplicas(state, os.path.abspath(shm))
+    local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
+    for server in servers:  # the peers' server takes the copies
+        server.replicas = local.replicas
     servers.insert(0, local)
 
     def stop_all() -> None:

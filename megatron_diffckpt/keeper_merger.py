@@ -225,14 +225,15 @@ def recover_from_keepers(
     publish: Any,
     rng_tracker: Any,
     all_reduce_min: Any,
-) -> tuple[int, DiffRecord, float, list[Any]] | None:
+) -> tuple[int, DiffRecord, float, list[Any], str] | None:
     """Recover this rank from its keeper's replica, when every rank can. All ranks, together.
 
     ``client`` is this rank's keeper client (``None``: none runs); ``publish()`` makes the
     model's parameters follow the copied main parameters (collective); ``all_reduce_min`` is
     :func:`~megatron_diffckpt.recovery.all_reduce_min`. Returns ``(iteration, its record, the
-    seconds it took, the replica's description)``, or ``None`` when some rank's keeper cannot
-    reach the iteration every rank reaches (then every rank recovers from storage).
+    seconds it took, the replica's description, the tier that held it)``, or ``None`` when
+    some rank's keeper cannot reach the iteration every rank reaches (then every rank recovers
+    from storage).
     """
     start = time.perf_counter()
     reply = client.call({"op": "replica_state"}) if client is not None else None
@@ -259,4 +260,5 @@ def recover_from_keepers(
     load_replica(torch_optimizers, replicas)
     publish()
     restore_rng([records[target]], rng_tracker)
-    return target, records[target], time.perf_counter() - start, held["optimizers"]
+    seconds = time.perf_counter() - start
+    return target, records[target], seconds, held["optimizers"], held["tier"]

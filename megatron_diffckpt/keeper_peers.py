@@ -9,7 +9,9 @@ asks its successor for the chain of each rank that asks it.
 
 What travels: LowDiff's compressed records as they are made, LowDiff+'s dense ones (a peer then
 holds the same bytes as storage would; for LowDiff+ a peer copy costs as much network as the diff
-log costs storage).
+log costs storage); with LowDiff+'s replica in the keepers, each replica whole when a rank opens
+it and then every iteration's snapshot, which the successor merges into a replica of its own
+(:class:`~megatron_diffckpt.keeper_replica.HostedReplicas`).
 
 How keepers find each other: a folder every node sees (``--diffckpt-keeper-peers``, on the
 job's shared storage, e.g. beside ``--save``), where each keeper publishes ``keeper_<node>.json``
@@ -87,11 +89,14 @@ class PeerLink:
     def chain_from_successor(self, identity: dict, after: int) -> tuple[dict, bytearray] | None:
         """The successor's copy of ``identity``'s chain after ``after`` (the reply of a
         ``chain`` request), or ``None`` when it cannot be asked."""
+        return self.ask({"op": "chain", "identity": identity, "after": after})
+
+    def ask(self, header: dict) -> tuple[dict, bytearray] | None:
+        """The successor's reply to one request, on a connection of its own; ``None`` when it
+        cannot be asked."""
         try:
             with self._connect(timeout=CONNECT_S) as sock:
-                self._send(
-                    sock, self._header({"op": "chain", "identity": identity, "after": after})
-                )
+                self._send(sock, self._header(header))
                 return self._recv(sock)
         except (OSError, ConnectionError, ValueError) as exc:
             logger.warning(
@@ -146,7 +151,7 @@ class PeerLink:
                         self._dropped(str(exc))
             if reply is None:
                 continue
-            if header["op"] == "put" and reply.get("held"):
+            if header["op"] in ("put", "replica_copy_merge") and reply.get("held"):
                 key = tuple(sorted(header["identity"].items()))
                 self.peer_last[key] = max(int(header["iteration"]), self.peer_last.get(key, -1))
         if self._sock is not None:

@@ -45,12 +45,24 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.replica_merger import ParamSlice, ShardLayout, StepInputs, step_replica
-from megatron_diffckpt.shared_replica import build, files_of, map_tensor, nbytes_of
+from megatron_diffckpt.shared_replica import (
+    build,
+    files_of,
+    map_tensor,
+    nbytes_of,
+    packed,
+    tensor_bytes,
+    tensor_from,
+    tensors_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +81,27 @@ class _Held:
 class HostedReplica:
     """One rank's replica in the keeper, one iteration behind what the rank handed over."""
 
-    def __init__(self, request: dict[str, Any], record: bytes, previous: HostedReplica | None):
+    def __init__(
+        self,
+        request: dict[str, Any],
+        record: bytes,
+        previous: HostedReplica | None,
+        tensor_of: Callable[[dict], torch.Tensor] = tensor_from,
+    ):
         reuse = request.get("reuse", False)
         if reuse and (previous is None or previous.merged != request["iteration"]):
             raise ValueError("nothing to reuse: the keeper's replica is not at that iteration")
         self.description = request["optimizers"]
-        self.optimizers = previous.optimizers if reuse else build(self.description)
+        self.optimizers = previous.optimizers if reuse else build(self.description, tensor_of)
+        self.raw_layout = request["layout"]
         self.layout: ShardLayout = [
             [[ParamSlice(*where) for where in group] for group in inner]
-            for inner in request["layout"]
+            for inner in self.raw_layout
         ]
         self.slot_specs = request["slots"]
-        self.slots = [{k: map_tensor(s) for k, s in slot.items()} for slot in self.slot_specs]
+        self.slots = [{k: tensor_of(s) for k, s in slot.items()} for slot in self.slot_specs]
+        self.tier = "the node's keeper"
+        """Where a recovery says the replica came from (a peer's copy, when adopted)."""
         self.files = files_of(self.description, self.slot_specs)
         self.nbytes = nbytes_of(self.description, self.slot_specs)
         self.merged = int(request["iteration"])
@@ -144,36 +165,55 @@ class HostedReplica:
 
 
 class HostedReplicas:
-    """Every rank's :class:`HostedReplica` of one keeper; bytes reserved against its cap."""
+    """Every rank's :class:`HostedReplica` of one keeper, and in a ring (``link``: the keeper's
+    :class:`~megatron_diffckpt.keeper_peers.PeerLink`) the copies it holds of the previous
+    node's ranks' replicas; bytes reserved against the keeper's cap.
 
-    def __init__(self, state: Any, folder: str):
+    The copy (what a node lost whole recovers from): each replica a rank opens goes to the next
+    node's keeper whole, and every iteration handed over after it as its snapshot (the filled
+    buckets of the dense gradient shard) and step scalars, asynchronously; that keeper steps a
+    replica of its own, one behind as here. A fresh keeper asked for a replica it does not hold
+    adopts its successor's copy into its shared-memory folder and serves it as its own.
+    """
+
+    def __init__(self, state: Any, folder: str, link: Any = None):
         self.state = state  # the KeeperState whose cap the replicas share
         self.folder = folder
+        self.link = link
         self._replicas: dict[tuple, HostedReplica] = {}
+        self._copies: dict[tuple, HostedReplica] = {}
         self._lock = threading.Lock()
+        self._files = 0
 
-    def handle(self, op: str, key: tuple, req: dict, payload: bytes) -> tuple[dict, bytes]:
-        """One ``replica_*`` request; the reply. Errors are replies (``{"error": ...}``)."""
+    def handle(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
+        """One ``replica_*`` request (``replica_copy_*``: from the previous node's keeper); the
+        reply. Errors are replies (``{"error": ...}``)."""
         try:
+            if op.startswith("replica_copy_"):
+                return self._copy(op, key, req, payload)
             if op == "replica_open":
                 return self._open(key, req, payload), b""
-            replica = self._replicas.get(key)
             if op == "replica_close":
-                self._drop(key)
+                self._drop(self._replicas, key)
+                self._forward({"op": "replica_copy_close", "identity": req["identity"]})
                 return {"ok": True}, b""
+            replica = self._replicas.get(key)
+            if replica is None and op == "replica_state":
+                replica = self._adopt(key, req["identity"])
+                if replica is None:
+                    return {"replica": None}, b""
             if replica is None:
-                return ({"replica": None}, b"") if op == "replica_state" else (
-                    {"error": "the keeper holds no replica of this rank"}, b""
-                )  # fmt: skip
+                return {"error": "the keeper holds no replica of this rank"}, b""
             with replica.lock:
                 return self._serve(op, replica, req, payload)
         except (ValueError, KeyError, OSError, RuntimeError) as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}, b""
 
-    def _serve(self, op: str, replica: HostedReplica, req: dict, payload: bytes):
+    def _serve(self, op: str, replica: HostedReplica, req: dict, payload: bytearray):
         start = time.perf_counter()
         if op == "replica_merge":
             released = replica.take(req, bytes(payload))
+            self._forward_iteration(req, replica, bytes(payload))
         elif op == "replica_flush":
             released = replica.flush(int(req["through"]))
         elif op == "replica_settle":
@@ -181,7 +221,7 @@ class HostedReplicas:
         elif op == "replica_state":
             low, high = replica.offer()
             records = replica.record + (replica.held.record if replica.held else b"")
-            doc = {"low": low, "high": high, "merged": replica.merged}
+            doc = {"low": low, "high": high, "merged": replica.merged, "tier": replica.tier}
             return {"replica": {**doc, "optimizers": replica.description}}, records
         else:
             return {"error": f"unknown request {op!r}"}, b""
@@ -192,7 +232,7 @@ class HostedReplicas:
             "cpu": replica.cpu.totals(),
         }, b""
 
-    def _open(self, key: tuple, req: dict, payload: bytes) -> dict:
+    def _open(self, key: tuple, req: dict, payload: bytearray) -> dict:
         with self._lock:
             previous = self._replicas.get(key)
             if previous is not None:
@@ -212,11 +252,116 @@ class HostedReplicas:
             finally:
                 if previous is not None:
                     previous.lock.release()
+        if self.link is not None:
+            header, body = copy_of(replica)
+            self._forward({"op": "replica_copy_open", "identity": req["identity"], **header}, body)
         return {"ok": True, "merged": replica.merged}
 
-    def _drop(self, key: tuple) -> None:
+    # ----------------------------------------------------------------- the ring
+    def _forward(self, header: dict, payload: bytes = b"") -> None:
+        if self.link is not None:
+            self.link.forward(header, payload)
+
+    def _forward_iteration(self, req: dict, replica: HostedReplica, record: bytes) -> None:
+        """The iteration just handed over, for the next node's copy: its scalars, record and
+        snapshot (copied now: the slot goes back to the rank once merged)."""
+        if self.link is None:
+            return
+        chunks, buckets, offset = [record], [], len(record)
+        if req["slot"] is not None:
+            for k in sorted(req["filled"]):
+                chunks.append(tensor_bytes(replica.slots[req["slot"]][k]))
+                buckets.append([k, offset, len(chunks[-1])])
+                offset += len(chunks[-1])
+        header = {k: req[k] for k in ("identity", "iteration", "filled", "groups", "clip")}
+        header.update(op="replica_copy_merge", record=[0, len(record)], buckets=buckets)
+        header["has_slot"] = req["slot"] is not None
+        self.link.forward(header, b"".join(chunks))
+
+    def _copy(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
+        """A request of the previous node's keeper about its copy of one rank's replica."""
+        if op == "replica_copy_open":
+            with self._lock:
+                previous = self._copies.get(key)
+                copy = HostedReplica(
+                    req, _slice(payload, req["record"]), None, lambda s: tensor_from(s, payload)
+                )
+                room = self.state.reserve(copy.nbytes, previous.nbytes if previous else 0)
+                if not room[0]:
+                    self._copies.pop(key, None)
+                    return {"error": room[1]}, b""
+                self._copies[key] = copy
+                if req.get("held"):
+                    feed(copy, req["held"], payload)
+            return {"ok": True}, b""
+        if op == "replica_copy_close":
+            self._drop(self._copies, key)
+            return {"ok": True}, b""
+        copy = self._copies.get(key)
+        if op == "replica_copy_fetch":
+            if copy is None:
+                return {"copy": None}, b""
+            with copy.lock:
+                header, body = copy_of(copy)
+            return {"copy": header}, body
+        if op == "replica_copy_merge":
+            if copy is None:
+                return {"error": "no copy of this rank's replica (a gap: until its next open)"}, b""
+            with copy.lock:
+                try:
+                    feed(copy, req, payload)
+                except ValueError:
+                    self._drop(self._copies, key)
+                    raise
+            return {"held": True}, b""
+        return {"error": f"unknown request {op!r}"}, b""
+
+    def _adopt(self, key: tuple, identity: dict) -> HostedReplica | None:
+        """The successor's copy of ``identity``'s replica, as this keeper's own (this keeper is
+        new: the node was lost whole), in files the rank maps; ``None``: no copy."""
+        if self.link is None:
+            return None
+        reply = self.link.ask({"op": "replica_copy_fetch", "identity": identity})
+        if reply is None or not reply[0].get("copy"):
+            return None
+        header, payload = reply[0]["copy"], reply[1]
+
+        def into_file(spec: dict) -> torch.Tensor:
+            self._files += 1
+            source = tensor_from(spec, payload)
+            spec.pop("offset", None)
+            spec["file"] = os.path.join(self.folder, f"adopted-{self._files}")
+            tensor = map_tensor(spec)
+            tensor.copy_(source)
+            return tensor
+
         with self._lock:
-            replica = self._replicas.pop(key, None)
+            replica = HostedReplica(header, _slice(payload, header["record"]), None, into_file)
+            if header.get("held"):
+                feed(replica, header["held"], payload)
+            room = self.state.reserve(replica.nbytes)
+            if not room[0]:
+                self._remove_files(replica.files)
+                logger.warning("keeper: the peer's copy does not fit here: %s", room[1])
+                return None
+            replica.tier = f"the keeper of node {self.link.successor} (a peer)"
+            self._replicas[key] = replica
+        who = dict(key)
+        logger.info(
+            "keeper: adopted the replica of rank_%d_%d_%d at iteration %d%s from %s",
+            who["tp_rank"],
+            who["pp_rank"],
+            who["dp_rank"],
+            replica.merged,
+            f" (holding the input of {replica.held.iteration})" if replica.held else "",
+            replica.tier,
+        )
+        return replica
+
+    # ----------------------------------------------------------------- bookkeeping
+    def _drop(self, table: dict[tuple, HostedReplica], key: tuple) -> None:
+        with self._lock:
+            replica = table.pop(key, None)
             if replica is not None:
                 self.state.reserve(0, replica.nbytes)
                 self._remove_files(replica.files)
@@ -229,13 +374,67 @@ class HostedReplicas:
                 except FileNotFoundError:
                     pass
 
-    def stats(self) -> list[dict[str, Any]]:
-        return [
-            {
-                **dict(key),
-                "merged": r.merged,
-                "held": r.held.iteration if r.held else None,
-                "bytes": r.nbytes,
-            }  # fmt: skip
-            for key, r in self._replicas.items()
-        ]
+    def stats(self) -> dict[str, list[dict[str, Any]]]:
+        def rows(table: dict[tuple, HostedReplica]) -> list[dict[str, Any]]:
+            return [
+                {
+                    **dict(key),
+                    "merged": r.merged,
+                    "held": r.held.iteration if r.held else None,
+                    "bytes": r.nbytes,
+                }
+                for key, r in table.items()
+            ]
+
+        return {"replicas": rows(self._replicas), "copies": rows(self._copies)}
+
+
+def _slice(payload: bytearray | bytes, where: list[int]) -> bytes:
+    return bytes(payload[where[0] : where[0] + where[1]])
+
+
+def copy_of(replica: HostedReplica) -> tuple[dict[str, Any], bytes]:
+    """``replica`` as one message for another keeper: what ``replica_copy_open`` takes (with
+    its held iteration, if any, as a ``replica_copy_merge`` would bring it)."""
+    tensors = list(tensors_of(replica.description, replica.optimizers))
+    description, body = packed(replica.description, tensors)
+    chunks, offset = [body, replica.record], len(body) + len(replica.record)
+    buckets = {
+        k: {"shape": s["shape"], "dtype": s["dtype"]} for k, s in replica.slot_specs[0].items()
+    }
+    header: dict[str, Any] = {
+        "iteration": replica.merged,
+        "layout": replica.raw_layout,
+        "optimizers": description,
+        "slots": [buckets, dict(buckets)],  # two: the held iteration's and the next one's
+        "record": [len(body), len(replica.record)],
+        "held": None,
+    }
+    held = replica.held
+    if held is not None:
+        spans = []
+        for k in sorted(held.filled) if held.slot is not None else []:
+            chunks.append(tensor_bytes(replica.slots[held.slot][k]))
+            spans.append([k, offset, len(chunks[-1])])
+            offset += len(chunks[-1])
+        header["held"] = {
+            "iteration": held.iteration,
+            "filled": sorted(held.filled),
+            "groups": held.inputs.groups,
+            "clip": {str(k): v for k, v in held.inputs.clip_coeffs.items()},
+            "buckets": spans,
+            "has_slot": held.slot is not None,
+            "record": [offset, len(held.record)],
+        }
+        chunks.append(held.record)
+    return header, b"".join(chunks)
+
+
+def feed(replica: HostedReplica, held: dict[str, Any], payload: bytearray | bytes) -> None:
+    """Hand ``replica`` (a copy: two slots of its own) the iteration ``held`` describes: its
+    snapshot into the slot of the iteration's parity, then :meth:`HostedReplica.take`."""
+    slot = held["iteration"] % 2 if held["has_slot"] else None
+    for k, offset, n in held["buckets"]:
+        target = replica.slots[slot][k].view(-1).view(torch.uint8)
+        target[:n].copy_(torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset))
+    replica.take({**held, "slot": slot}, _slice(payload, held["record"]))

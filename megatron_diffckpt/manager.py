@@ -193,11 +193,12 @@ class DiffCheckpointManager:
         )
         if got is None:
             return None
-        target, record, seconds, description = got
+        target, record, seconds, description, tier = got
         logger.info(
-            "recovery: iteration %d from the node's keeper's replica in %.3f s (no base read "
-            "from storage, nothing replayed)",
+            "recovery: iteration %d from the replica in %s in %.3f s (no base read from "
+            "storage, nothing replayed)",
             target,
+            tier,
             seconds,
         )
         self._from_keeper = (target, description)

@@ -13,8 +13,10 @@ Any process, any thread; nothing here talks to another process.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -101,8 +103,12 @@ def describe(optimizers: list[torch.optim.Optimizer | None], spec_of: Any) -> li
     return out
 
 
-def build(description: list[Any]) -> list[torch.optim.Optimizer | None]:
-    """The optimizers :func:`describe` described, over mapped tensors."""
+def build(
+    description: list[Any], tensor_of: Callable[[dict], torch.Tensor] | None = None
+) -> list[torch.optim.Optimizer | None]:
+    """The optimizers :func:`describe` described, over the tensors ``tensor_of(spec)`` gives
+    (default :func:`tensor_from`: mapped files)."""
+    tensor_of = tensor_of or tensor_from
     optimizers: list[torch.optim.Optimizer | None] = []
     for d in description:
         if d is None:
@@ -110,7 +116,7 @@ def build(description: list[Any]) -> list[torch.optim.Optimizer | None]:
             continue
         groups, states = [], []
         for g in d["groups"]:
-            params = [map_tensor(p["param"]) for p in g["params"]]
+            params = [tensor_of(p["param"]) for p in g["params"]]
             groups.append({"params": params, **g["options"]})
             for p, spec in zip(params, g["params"], strict=True):
                 states.append((p, spec["state"]))
@@ -118,31 +124,79 @@ def build(description: list[Any]) -> list[torch.optim.Optimizer | None]:
         for p, state in states:
             if state:
                 opt.state[p] = {
-                    k: map_tensor(v["tensor"]) if "tensor" in v else v["value"]
+                    k: tensor_of(v["tensor"]) if "tensor" in v else v["value"]
                     for k, v in state.items()
                 }
         optimizers.append(opt)
     return optimizers
 
 
-def files_of(description: list[Any], slots: list[dict[str, Any]]) -> set[str]:
-    files = {s["file"] for slot in slots for s in slot.values()}
+def specs_of(description: list[Any], slots: list[dict[str, Any]] = ()) -> Iterator[dict]:
+    """Every tensor spec of ``description`` (parameters, each followed by its state tensors) and
+    then of ``slots``, in one fixed order."""
     for d in description:
         for g in d["groups"] if d else []:
             for p in g["params"]:
-                files.add(p["param"]["file"])
-                files.update(v["tensor"]["file"] for v in p["state"].values() if "tensor" in v)
-    return files
+                yield p["param"]
+                yield from (v["tensor"] for v in p["state"].values() if "tensor" in v)
+    for slot in slots:
+        yield from slot.values()
+
+
+def tensors_of(description: list[Any], optimizers: list[torch.optim.Optimizer | None]):
+    """The tensors of ``optimizers`` (built from ``description``), in :func:`specs_of` order."""
+    for d, opt in zip(description, optimizers, strict=True):
+        if d is None:
+            continue
+        for g, group in zip(d["groups"], opt.param_groups, strict=True):
+            for spec, p in zip(g["params"], group["params"], strict=True):
+                yield p
+                yield from (opt.state[p][k] for k, v in spec["state"].items() if "tensor" in v)
+
+
+def files_of(description: list[Any], slots: list[dict[str, Any]]) -> set[str]:
+    return {s["file"] for s in specs_of(description, slots) if "file" in s}
 
 
 def nbytes_of(description: list[Any], slots: list[dict[str, Any]]) -> int:
-    specs = [s for slot in slots for s in slot.values()]
-    for d in description:
-        for g in d["groups"] if d else []:
-            for p in g["params"]:
-                specs.append(p["param"])
-                specs.extend(v["tensor"] for v in p["state"].values() if "tensor" in v)
-    return sum(math.prod(s["shape"]) * _DTYPES[s["dtype"]].itemsize for s in specs)
+    return sum(_nbytes(s) for s in specs_of(description, slots))
+
+
+def _nbytes(spec: dict[str, Any]) -> int:
+    return math.prod(spec["shape"]) * _DTYPES[spec["dtype"]].itemsize
+
+
+def tensor_from(spec: dict[str, Any], payload: bytearray | None = None) -> torch.Tensor:
+    """The tensor a spec names: a mapped file (``"file"``), a slice of ``payload`` (``"offset"``,
+    no copy), or else a new zero tensor."""
+    if "file" in spec:
+        return map_tensor(spec)
+    shape, dtype = tuple(spec["shape"]), _DTYPES[spec["dtype"]]
+    if "offset" not in spec or math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(
+        payload, dtype=dtype, count=math.prod(shape), offset=spec["offset"]
+    ).view(shape)
+
+
+def packed(
+    description: list[Any], tensors: list[torch.Tensor], start: int = 0
+) -> tuple[list[Any], bytes]:
+    """``description`` with each tensor spec's ``"file"`` replaced by its ``"offset"`` (from
+    ``start``) into the returned bytes: the tensors end to end (copied)."""
+    out, chunks, offset = copy.deepcopy(description), [], start
+    for spec, tensor in zip(specs_of(out), tensors, strict=True):
+        spec.pop("file", None)
+        spec["offset"] = offset
+        chunks.append(tensor_bytes(tensor))
+        offset += len(chunks[-1])
+    return out, b"".join(chunks)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A copy of ``tensor``'s bytes."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def initial_adam_state(opt: torch.optim.Optimizer, alloc: Any) -> None:

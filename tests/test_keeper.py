@@ -324,82 +324,23 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
 
     The run ends equal to an uninterrupted one (``torch.equal``, state and losses)."""
     ckpt, common, diff = _straight_run_and_flags(tmp_path, total=40, batch=1000)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env["DIFFCKPT_KEEPER_HOST"] = "127.0.0.1"
-    port = _free_port()
-    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-
-    def node(rank: int) -> subprocess.Popen:
-        cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64"]
-        cmd += ["--diffckpt-keeper-peers", str(tmp_path / "peers")]
-        cmd += ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"]
-        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-        cmd += ["--rdzv-id", "two-nodes", "--max-restarts", "3", str(PRETRAIN_GPT)]
-        with open(logs[rank], "a") as out:
-            return subprocess.Popen([*cmd, *common, *diff], cwd=REPO, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)  # fmt: skip
-
-    def text() -> str:
-        return "".join(log.read_text() for log in logs if log.exists())
-
-    def logged(iteration: int, nodes: list[subprocess.Popen]) -> None:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while f" {iteration}/" not in text():
-            alive = all(n.poll() is None for n in nodes)
-            assert time.monotonic() < deadline and alive, text()[-4000:]
-            time.sleep(0.05)
-
-    def kill(processes: list[psutil.Process]) -> None:
-        for p in processes:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
-
-    def whole(launcher: subprocess.Popen) -> list[psutil.Process]:
-        top = psutil.Process(launcher.pid)
-        return [*top.children(recursive=True), top]
-
-    def started(first: subprocess.Popen) -> list[subprocess.Popen]:
-        """Node 0, then node 1 once node 0's agent serves the rendezvous: the node that hosts
-        torchrun's rendezvous store is the one a job cannot lose (torchrun's limit)."""
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return [first, node(1)]
-            except OSError:
-                assert time.monotonic() < deadline and first.poll() is None, text()[-3000:]
-                time.sleep(0.1)
-
-    nodes = started(node(0))
-    try:
-        logged(11, nodes)  # 1. the ranks only
-        kill([r for n in nodes for r in _ranks_of(psutil.Process(n.pid))])
-        logged(21, nodes)  # 2. node 1 whole
+    with TwoNodes(tmp_path, [*common, *diff]) as job:
+        job.logged(11)  # 1. the ranks only
+        job.kill(job.ranks())
+        job.logged(21)  # 2. node 1 whole
         # What node 0's keeper holds of both ranks (its own, and its copy of node 1's) when
         # node 1 dies: none of it may be lost.
-        sock = re.findall(r"keeper: listening on (\S+), memory cap", logs[0].read_text())[-1]
-        held = min(c["last"] for c in query(sock)["chains"])
-        kill(whole(nodes[1]))
-        nodes[1].wait(30)
-        nodes[1] = node(1)
-        logged(31, nodes)  # 3. everything
-        kill([p for n in nodes for p in whole(n)])
-        for n in nodes:
-            n.wait(30)
-        nodes = started(node(0))
-        for n in nodes:
-            assert n.wait(RUN_TIMEOUT_S) == 0, text()[-4000:]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
+        held = min(c["last"] for c in query(job.keeper_socket(0))["chains"])
+        job.restart_node(1)
+        job.logged(31)  # 3. everything
+        job.restart_all()
+        job.wait()
+        text = job.text()
     # Rank 0 logs the recoveries (on whichever node it ran): in time order.
     found = re.findall(
         r"\[rank0\] (\d\d:\d\d:\d\d) recovery: base at iteration 0, \d+ differential\(s\) to "
         r"replay, recovering to iteration (\d+) \(.*?\): (.*)",
-        text(),
+        text,
     )
     (t1, served1), (t2, served2), (t3, served3) = [(int(t), s) for _, t, s in sorted(found)]
     assert t1 >= 11 and served1 == f"1-{t1} from the node's keeper", found
@@ -413,6 +354,101 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
         written = sorted(p.name for p in (ckpt / "diffckpt" / rank_dir).glob("seg_*"))
         assert written[:2] == [f"seg_0000000001_{t1:010d}.bin", f"seg_{t1 + 1:010d}_{t2:010d}.bin"]
     _assert_ends_as_straight(tmp_path, t3)
+
+
+class TwoNodes:
+    """One machine as two nodes: two node launchers (``--nnodes 2``, c10d rendezvous on
+    loopback, hosted by node 0; one rank each, which node runs rank 0 is the rendezvous's
+    choice), each with its keeper, in a ring, running ``args``; torchrun restarts ranks up to
+    3 times. A context manager: whatever is left runs is killed at its end."""
+
+    def __init__(self, tmp_path: Path, args: list[str]):
+        self.tmp_path, self.args = tmp_path, args
+        self.env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        self.env["DIFFCKPT_KEEPER_HOST"] = "127.0.0.1"
+        self.port = _free_port()
+        self.logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+        self.nodes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> TwoNodes:
+        self.nodes = self._started(self._node(0))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n in self.nodes:
+            if n.poll() is None:
+                n.kill()
+
+    def _node(self, rank: int) -> subprocess.Popen:
+        cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64"]
+        cmd += ["--diffckpt-keeper-peers", str(self.tmp_path / "peers")]
+        cmd += ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
+        cmd += ["--rdzv-id", "two-nodes", "--max-restarts", "3", str(PRETRAIN_GPT)]
+        with open(self.logs[rank], "a") as out:
+            return subprocess.Popen([*cmd, *self.args], cwd=REPO, env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+
+    def _started(self, first: subprocess.Popen) -> list[subprocess.Popen]:
+        """Node 0, then node 1 once node 0's agent serves the rendezvous: the node that hosts
+        torchrun's rendezvous store is the one a job cannot lose (torchrun's limit)."""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return [first, self._node(1)]
+            except OSError:
+                assert time.monotonic() < deadline and first.poll() is None, self.text()[-3000:]
+                time.sleep(0.1)
+
+    def text(self) -> str:
+        return "".join(log.read_text() for log in self.logs if log.exists())
+
+    def logged(self, iteration: int) -> None:
+        """Wait until some rank logged ``iteration``."""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while f" {iteration}/" not in self.text():
+            alive = all(n.poll() is None for n in self.nodes)
+            assert time.monotonic() < deadline and alive, self.text()[-4000:]
+            time.sleep(0.05)
+
+    def keeper_socket(self, rank: int) -> str:
+        """The socket of node ``rank``'s keeper (its newest)."""
+        found = re.findall(r"keeper: listening on (\S+), memory cap", self.logs[rank].read_text())
+        return found[-1]
+
+    def ranks(self) -> list[psutil.Process]:
+        return [r for n in self.nodes for r in _ranks_of(psutil.Process(n.pid))]
+
+    @staticmethod
+    def kill(processes: list[psutil.Process]) -> None:
+        for p in processes:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+
+    def _whole(self, rank: int) -> list[psutil.Process]:
+        top = psutil.Process(self.nodes[rank].pid)
+        return [*top.children(recursive=True), top]
+
+    def restart_node(self, rank: int) -> None:
+        """SIGKILL node ``rank`` whole (launcher, keeper, agent, rank), then start it again
+        (with a fresh, empty keeper)."""
+        self.kill(self._whole(rank))
+        self.nodes[rank].wait(30)
+        self.nodes[rank] = self._node(rank)
+
+    def restart_all(self) -> None:
+        """SIGKILL everything, then start both nodes again."""
+        self.kill([p for rank in range(2) for p in self._whole(rank)])
+        for n in self.nodes:
+            n.wait(30)
+        self.nodes = self._started(self._node(0))
+
+    def wait(self) -> None:
+        for n in self.nodes:
+            assert n.wait(RUN_TIMEOUT_S) == 0, self.text()[-4000:]
 
 
 def _straight_run_and_flags(

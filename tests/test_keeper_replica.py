@@ -22,13 +22,14 @@ from launch import REPO, RUN_TIMEOUT_S, TINY_GPT, run_cli, run_gpt
 from test_keeper import (
     NODE_LAUNCHER,
     PRETRAIN_GPT,
+    TwoNodes,
     _assert_ends_as_straight,
     _ranks_of,
     start_keeper,
 )
 
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.keeper import KeeperClient, stop
+from megatron_diffckpt.keeper import KeeperClient, query, stop
 from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
 from megatron_diffckpt.keeper_replica import HostedReplica
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
@@ -260,7 +261,7 @@ def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tm
     proc, lines = _launch([*common, *plus], {"DIFFCKPT_FAILPOINT": "plus-hand-over:11@1"})
     log = _finish(proc, lines)
     assert "failpoint plus-hand-over #11: SIGKILL of rank 1" in log
-    assert "recovery: iteration 10 from the node's keeper's replica" in log, log[-3000:]
+    assert "recovery: iteration 10 from the replica in the node's keeper" in log, log[-3000:]
     assert "loaded checkpoint from" not in log  # only base 0 exists; it was not read
     _assert_ends_as_straight(tmp_path, 10)
 
@@ -291,7 +292,7 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
             proc.kill()
     time.sleep(0.2)
     first = "".join(lines)
-    got = re.search(r"recovery: iteration (\d+) from the node's keeper's replica", first)
+    got = re.search(r"recovery: iteration (\d+) from the replica in the node's keeper", first)
     assert got is not None, first[-3000:]
     before = _last_logged(first[: got.start()])
     assert 11 <= before <= int(got[1]) <= before + 1  # nothing a keeper acknowledged is lost
@@ -302,3 +303,49 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     base = re.search(r"loaded checkpoint from \S+ at iteration (\d+)", log)
     assert base is not None and int(base[1]) % 5 == 0 and int(base[1]) >= 15, log[-3000:]
     _assert_ends_as_straight(tmp_path, int(base[1]))
+
+
+@pytest.mark.distributed
+def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_path):
+    """One machine as two nodes (:class:`test_keeper.TwoNodes`: two node launchers, keepers in a
+    ring, one rank each), LowDiff+ with its replica in the keepers, bases every 10:
+
+    1. after iteration 11, both ranks SIGKILLed: they recover T1 >= 11 from their keepers;
+    2. after 21, node 1 lost whole: its rank is stopped (so that its keeper's last copies reach
+       node 0), then launcher, keeper, agent and rank are SIGKILLed and the node started again
+       with a fresh keeper, which adopts node 0's copy of its rank's replica; both ranks recover
+       T2, no less than what node 0's keeper held of both when node 1 died;
+    3. after 31, everything: fresh keepers hold nothing, storage's newest base serves.
+
+    The run ends equal to an uninterrupted one (``torch.equal``, state and losses)."""
+    common, plus = _keeper_job(tmp_path, total=40, full_interval=10)
+    with TwoNodes(tmp_path, [*common, *plus]) as job:
+        job.logged(11)  # 1. the ranks only
+        job.kill(job.ranks())
+        job.logged(21)  # 2. node 1 whole
+        for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
+            rank.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        kept = query(job.keeper_socket(0))
+        assert len(kept["replicas"]) == 1 and len(kept["copies"]) == 1, kept
+        held = min(r["merged"] if r["held"] is None else r["held"] for r in
+                   kept["replicas"] + kept["copies"])  # fmt: skip
+        job.restart_node(1)
+        job.logged(31)  # 3. everything
+        job.restart_all()
+        job.wait()
+        text = job.text()
+    found = re.findall(
+        r"\[rank0\] (\d\d:\d\d:\d\d) recovery: iteration (\d+) from the replica in (.*?) in ",
+        text,
+    )
+    (t1, tier1), (t2, tier2) = [(int(t), tier) for _, t, tier in sorted(found)]
+    assert t1 >= 11 and tier1 == "the node's keeper", found
+    assert t2 >= max(held, t1 + 1), (found, held)
+    assert tier2 in ("the node's keeper", "the keeper of node 0 (a peer)"), found
+    adopted = re.findall(r"keeper: adopted the replica of (rank_\S+) at iteration (\d+)", text)
+    assert len(adopted) == 1 and int(adopted[0][1]) + 1 >= t2, adopted  # node 1's rank
+    assert "recovery: the node keepers hold no replica: recovering from storage" in text
+    base = re.findall(r"loaded checkpoint from \S+ at iteration (\d+)", text)
+    assert len(base) == 1 and int(base[0]) in (20, 30), base  # storage's newest base, once
+    _assert_ends_as_straight(tmp_path, int(base[0]))
