@@ -195,8 +195,7 @@ class DiffCheckpointManager:
             return None
         target, record, seconds, description, tier = got
         logger.info(
-            "recovery: iteration %d from the replica in %s in %.3f s (no base read from "
-            "storage, nothing replayed)",
+            "recovery: iteration %d from the replica in %s in %.3f s (nothing replayed)",
             target,
             tier,
             seconds,
@@ -297,8 +296,8 @@ class DiffCheckpointManager:
         durable on return. An optimizer the map cannot describe (not megatron's distributed
         optimizer in the ``dp_reshardable`` format) is logged, and ``merge`` refuses the run.
         """
-        if self._shard_maps.done or self.writer is None:  # no diff log, nothing to merge
-            return
+        if self._shard_maps.done or (self.writer is None and not self._in_keeper):
+            return  # bases only: nothing past them to merge or place
         inner = [
             i
             for i in optimizer_step.inner_optimizers(self.optimizer)

@@ -117,7 +117,9 @@ def build(
         groups, states = [], []
         for g in d["groups"]:
             params = [tensor_of(p["param"]) for p in g["params"]]
-            groups.append({"params": params, **g["options"]})
+            # JSON has no tuples: torch's own options (betas) are, and a base saves them
+            options = {k: tuple(v) if isinstance(v, list) else v for k, v in g["options"].items()}
+            groups.append({"params": params, **options})
             for p, spec in zip(params, g["params"], strict=True):
                 states.append((p, spec["state"]))
         opt = _OPTIMIZERS[d["class"]](groups)

@@ -345,10 +345,9 @@ def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exac
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), *gpt, *plus]
     cmd += ["--train-iters", str(TOTAL)]
     env = dict(_env(), DIFFCKPT_FAILPOINT="plus-hand-over:9@1")
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    log = proc.stdout + proc.stderr
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    log = proc.stdout  # in order: the restarted attempt's lines after the fail point's
     assert proc.returncode == 0, log[-4000:]
     restarted = log[log.index("failpoint plus-hand-over #9: SIGKILL of rank 1") :]
     assert "recovery: iteration 8 from the replica in the node's keeper" in restarted, log[-4000:]
