@@ -24,12 +24,13 @@ keeper is a second copy, in memory, that a restart reads first.
   header (``<II``: JSON length, payload length), the JSON, the payload. Requests: ``put``
   (identity, iteration; payload: the record), ``published`` (identity, base iteration: drop the
   records up to it), ``chain`` (identity, after: the consecutive records from ``after + 1``;
-  payload: the records end to end), ``stats``, ``stop``.
+  payload: the records end to end), ``stats``, ``stop``; ``replica_*``: LowDiff+'s replica
+  hosted here, its merges and its recovery (:mod:`~megatron_diffckpt.keeper_replica`).
 - **A ring.** With ``--peers DIR --node N --nnodes M``, a second server on TCP takes the same
   requests from the previous node's keeper (each with this keeper's token), and every record
   and published base is copied to the next node's; a ``chain`` this keeper cannot serve (it was
   lost with its node, and started again) is asked of the next node's
-  (:mod:`~megatron_diffckpt.keeper_peers`).
+  (:mod:`~megatron_diffckpt.keeper_peers`); so is a LowDiff+ replica (``replica_copy_*``).
 
 Which processes call: the launcher starts and stops it; any rank's thread calls its own
 :class:`KeeperClient` (one connection per client, calls serialised on it).

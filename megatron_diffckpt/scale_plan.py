@@ -99,6 +99,11 @@ class JobSpec:
         for name in ("params", "iteration_s", "storage_bandwidth", "gpu_hours_per_failure"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if not 0.0 <= self.kept_share <= 1.0 or self.kept_restart_s < 0:
+            raise ValueError(
+                f"kept_share must be in [0, 1] and kept_restart_s >= 0, got {self.kept_share} "
+                f"and {self.kept_restart_s}"
+            )
 
     @property
     def data_parallel(self) -> int:

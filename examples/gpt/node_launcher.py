@@ -17,6 +17,9 @@ holds every differential the ranks hand it, so that ranks restarted by torchrun
 it through ``DIFFCKPT_KEEPER``. ``--diffckpt-keeper-peers DIR`` (a folder every node sees) puts
 the keepers of the job's nodes in a ring, each copying to the next node's
 (:mod:`megatron_diffckpt.keeper_peers`), so that a node lost whole recovers from its successor.
+With ``--diffckpt-plus-keeper-replica`` the ranks put LowDiff+'s replica in the keeper's
+shared-memory folder (``/dev/shm``, named after the keeper's socket folder), which this
+launcher removes when the keeper stops, even one that died.
 """
 
 from __future__ import annotations
