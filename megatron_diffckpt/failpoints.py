@@ -13,7 +13,10 @@ The points:
 - ``replay``: a recovery has replayed one more differential into the optimizer, before the next
   (:func:`~megatron_diffckpt.recovery.replay`);
 - ``plus-hand-over``: LowDiff+ is about to hand an iteration to its merger, after the
-  iteration's optimizer step (:meth:`~megatron_diffckpt.plus.LowDiffPlusStrategy.end_iteration`).
+  iteration's optimizer step (:meth:`~megatron_diffckpt.plus.LowDiffPlusStrategy.end_iteration`);
+- ``iteration-end``: an iteration's differential was handed over (LowDiff: to the diff log's
+  writer, and to the node's keeper when one runs; LowDiff+: to its merger), before the next
+  iteration (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.end_iteration`).
 
 The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
 hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one
@@ -30,7 +33,7 @@ import signal
 import threading
 
 ENV = "DIFFCKPT_FAILPOINT"
-POINTS = ("segment-write", "replay", "plus-hand-over")
+POINTS = ("segment-write", "replay", "plus-hand-over", "iteration-end")
 
 _SPEC = re.compile(r"(?P<name>[a-z-]+)(?::(?P<n>\d+))?(?:@(?P<rank>\d+))?")
 

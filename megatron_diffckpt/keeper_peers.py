@@ -21,9 +21,9 @@ The copy is asynchronous: a rank's ``put`` returns once its own keeper holds the
 newest iteration the successor acknowledged is ``peer_last`` in the keeper's stats. A successor
 that is not up yet or went away: each record is tried twice, each time waiting up to
 ``CONNECT_S`` for it (reconnecting, re-reading the folder: a restarted successor has a new
-address and token), then dropped, as are records beyond ``QUEUE`` waiting; the first drop is
-warned about (the copy then has a gap, and a lost node recovers from storage until the next
-base).
+address and token), then dropped, as are records beyond ``QUEUE`` (or ``QUEUE_BYTES``)
+waiting; the first drop is warned about (the copy then has a gap, and a lost node recovers from
+storage until the next base; a LowDiff+ replica's copy, until the rank opens it again).
 
 Which processes call: the keeper process only (its server threads and its sender thread).
 """
@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 QUEUE = 256
 """Records (and published bases) waiting for the successor, at most."""
+QUEUE_BYTES = 1 << 30
+"""Bytes waiting for the successor, at most (LowDiff+'s snapshots are dense)."""
 CONNECT_S = 5.0
 """How long one record waits for the successor to be reachable before the sender moves on."""
 
@@ -69,6 +71,8 @@ class PeerLink:
         self.dropped = 0
         self._send, self._recv = send, recv
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE)
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._warned = False
         os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -80,10 +84,18 @@ class PeerLink:
     # -- the keeper's server threads ---------------------------------------------------------
 
     def forward(self, header: dict, payload: bytes | bytearray = b"") -> None:
-        """Queue ``header`` (a ``put`` or ``published``) for the successor; never blocks."""
+        """Queue ``header`` (a ``put``, a ``published``, a ``replica_copy_*``) for the successor;
+        never blocks."""
+        with self._bytes_lock:
+            if self._queued_bytes + len(payload) > QUEUE_BYTES:
+                self._dropped(f"{self._queued_bytes} bytes wait for it already")
+                return
+            self._queued_bytes += len(payload)
         try:
             self._queue.put_nowait((header, payload))
         except queue.Full:
+            with self._bytes_lock:
+                self._queued_bytes -= len(payload)
             self._dropped(f"{QUEUE} records wait for it already")
 
     def chain_from_successor(self, identity: dict, after: int) -> tuple[dict, bytearray] | None:
@@ -135,6 +147,8 @@ class PeerLink:
             if item is None:
                 break
             header, payload = item
+            with self._bytes_lock:
+                self._queued_bytes -= len(payload)
             reply = None
             for attempt in range(2):  # a connection to a successor that restarted is stale
                 try:

@@ -39,7 +39,7 @@ from typing import Any
 import psutil
 import torch
 
-from megatron_diffckpt import full_storage, keeper_merger, recovery, retention
+from megatron_diffckpt import failpoints, full_storage, keeper_merger, recovery, retention
 from megatron_diffckpt.autotune import (
     Decision,
     OnlineTuner,
@@ -417,6 +417,7 @@ class DiffCheckpointManager:
         collective that agrees on a new F and B.
         """
         cost = self.strategy.end_iteration(iteration, scheduler_steps, consumed_samples)
+        failpoints.reach("iteration-end")
         self.last_diff_seconds = cost.path_s
         if self.tuner is None:
             return

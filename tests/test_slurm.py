@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from launch import REPO, TINY_GPT, assert_same_state, load_dumps, rank_process, run_gpt
 
@@ -208,9 +207,10 @@ def test_a_spent_retry_budget_ends_the_job(slurm, tmp_path):
 
 
 def test_ranks_restarted_in_the_allocation_recover_from_the_nodes_keeper(slurm, tmp_path):
-    """DIFFCKPT_RANK_RESTARTS and DIFFCKPT_KEEPER_MIB: rank 1 dies after iteration 11 with
-    storage at 8 (batches of 8); torchrun restarts the ranks in the same allocation, they
-    recover to 11 or later from the keeper, and the job ends as an uninterrupted run."""
+    """DIFFCKPT_RANK_RESTARTS and DIFFCKPT_KEEPER_MIB: rank 1 dies (SIGKILL, at the fail point
+    after it handed iteration 11 over) with storage at 8 (batches of 8); torchrun restarts the
+    ranks in the same allocation, they recover 11 from the keeper, and the job ends as an
+    uninterrupted run."""
     common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
     total = 16
     run_gpt(2, *common, "--train-iters", str(total), "--dump-state", str(tmp_path / "straight"))
@@ -218,35 +218,15 @@ def test_ranks_restarted_in_the_allocation_recover_from_the_nodes_keeper(slurm, 
     diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-full-interval", "1000"]
     diff += ["--diffckpt-batch-size", "8"]
     args = [*common, "--train-iters", str(total), *diff, "--dump-state", str(tmp_path / "resumed")]
-    job = _submit(slurm, out, save, args, DIFFCKPT_RANK_RESTARTS="1", DIFFCKPT_KEEPER_MIB="64")
-    _wait(lambda: out.exists() and " 11/" in out.read_text(), "iteration 11", out)
-    _rank_under_torchrun(1, save).send_signal(signal.SIGKILL)
+    job = _submit(slurm, out, save, args, DIFFCKPT_RANK_RESTARTS="1", DIFFCKPT_KEEPER_MIB="64",
+                  DIFFCKPT_FAILPOINT="iteration-end:11@1")  # fmt: skip
     _wait(lambda: _state(slurm, job) in FINAL, "the end", out)
     log = out.read_text()
     assert _state(slurm, job) == "COMPLETED", log[-3000:]
     assert "requeue" not in log and "training finished" in log, log[-3000:]
+    assert "failpoint iteration-end #11: SIGKILL of rank 1" in log, log[-3000:]
     recovered = int(re.search(r"recovered to iteration (\d+)", log)[1])
-    assert recovered >= 11 and f"9-{recovered} from the node's keeper" in log, log[-3000:]
+    assert recovered == 11 and "9-11 from the node's keeper" in log, log[-3000:]
     straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
     for rank in range(2):
         assert_same_state(straight[rank], resumed[rank], rank)
-
-
-def _rank_under_torchrun(rank: int, save: Path) -> psutil.Process:
-    """The training process of ``rank`` of the job that saves to ``save``: a child of
-    torchrun's agent."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            parent = p.parent()
-            if (
-                parent is not None
-                and "torch.distributed.run" in " ".join(parent.cmdline())
-                and str(save) in p.cmdline()
-                and p.environ().get("RANK") == str(rank)
-            ):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    assert len(found) == 1, found
-    return found[0]
