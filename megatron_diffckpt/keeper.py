@@ -429,7 +429,7 @@ class KeeperClient:
                 "keeper %s unreachable (%s): differentials go to storage only", path, exc
             )
             return None
-        logger.info("the node's keeper (%s) holds this rank's differentials too", path)
+        logger.info("the node's keeper (%s) serves this rank", path)
         return client
 
     def call(self, header: dict, payload: bytes = b"") -> tuple[dict, bytearray] | None:
