@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 import time
 from typing import Any
 
 import torch
 
-from megatron_diffckpt.background import BackgroundWorker, CpuMeter
+from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.replica_merger import MergeJob, ShardLayout, _replica_of
+from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, _replica_of
 from megatron_diffckpt.shared_replica import SharedArena, build, describe, initial_adam_state
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
@@ -34,7 +33,7 @@ logger = logging.getLogger(__name__)
 KEEPER_FLAG_HINT = "raise the node launcher's --diffckpt-keeper-memory"
 
 
-class KeeperReplicaMerger:
+class KeeperReplicaMerger(QueuedMerges):
     """:class:`~megatron_diffckpt.replica_merger.ReplicaMerger`'s interface, with the replica
     and its merger in the node's keeper (``client``: this rank's
     :class:`~megatron_diffckpt.keeper.KeeperClient`).
@@ -43,6 +42,8 @@ class KeeperReplicaMerger:
     shared memory) and one slot more than in-process (the keeper holds one), then
     :meth:`attach` it.
     """
+
+    failure = "LowDiff+: the hand-over to the keeper failed"
 
     def __init__(self, client: Any, layout: ShardLayout, cpu: CpuMeter | None = None):
         self.client = client
@@ -56,14 +57,8 @@ class KeeperReplicaMerger:
         replica the training state was copied from (the next :meth:`anchor` keeps it)."""
         self._slot_specs: list[dict[str, Any]] = []
         self._held: dict[int, SnapshotSlot] = {}
-        self._merged = -1
         self._cpu_seen: dict[str, float] = {}
-        self._cond = threading.Condition()
-        self.merge_seconds = 0.0
-        """The keeper's time merging this rank's iterations, cumulative."""
-        self._worker = BackgroundWorker(
-            "diffckpt-keeper-hand-over", self._hand_over, drop=self._drop, on_error=self._failed
-        )
+        super().__init__("diffckpt-keeper-hand-over", self._hand_over, self._drop)
 
     def slot_buffer(self, slot: int, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A snapshot slot's buffer in shared memory (``BucketSnapshotter(buffer=...)``)."""
@@ -104,17 +99,7 @@ class KeeperReplicaMerger:
         self._call(request)
         self.optimizers = optimizers
         self.arena.specs.clear()  # the keeper owns the files now
-        with self._cond:
-            self._merged = iteration
-            self._cond.notify_all()
-
-    def submit(self, job: MergeJob) -> None:
-        self._raise_background_error()
-        self._worker.put(job)
-
-    @property
-    def merged_iteration(self) -> int:
-        return self._merged
+        self._set_merged(iteration)
 
     def wait_merged(self, iteration: int) -> float:
         """Block until the keeper's replica holds ``iteration``; the seconds waited."""
@@ -124,15 +109,10 @@ class KeeperReplicaMerger:
             self._released(self._call({"op": "replica_flush", "through": iteration}))
         return time.perf_counter() - start
 
-    def wait_idle(self) -> None:
-        self._worker.join()
-        self._raise_background_error()
-
     def close(self) -> None:
         """Hand over what is queued, then drop the replica (the job ended: its final base is
         the training loop's)."""
-        self._worker.stop()
-        self._raise_background_error()
+        super().close()
         self.client.call({"op": "replica_close"})
 
     # ----------------------------------------------------------------- hand-over thread
@@ -161,9 +141,7 @@ class KeeperReplicaMerger:
         for activity, total in reply["cpu"].items():  # the keeper's merge CPU, as in-process
             self.cpu.add(activity, total - self._cpu_seen.get(activity, 0.0))
         self._cpu_seen = dict(reply["cpu"])
-        with self._cond:
-            self._merged = max(self._merged, int(reply["merged"]))
-            self._cond.notify_all()
+        self._set_merged(max(self._merged, int(reply["merged"])))
 
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:
         reply = self.client.call(request, payload)
@@ -182,17 +160,6 @@ class KeeperReplicaMerger:
     def _drop(self, job: MergeJob) -> None:
         if job.slot is not None and job.slot.index not in self._held:
             self.snapshotter.release(job.slot)
-
-    def _failed(self, exc: BaseException) -> None:
-        logger.error("LowDiff+: handing an iteration to the keeper failed", exc_info=exc)
-        with self._cond:
-            self._cond.notify_all()
-
-    def _raise_background_error(self) -> None:
-        if self._worker.error is not None:
-            raise RuntimeError("LowDiff+: the hand-over to the keeper failed") from (
-                self._worker.error
-            )
 
 
 def load_replica(

@@ -167,7 +167,60 @@ def _copy_state(
                 }
 
 
-class ReplicaMerger:
+class QueuedMerges:
+    """What both mergers share (in-process :class:`ReplicaMerger`, and the keeper's
+    :class:`~megatron_diffckpt.keeper_merger.KeeperReplicaMerger`): merge jobs queued to one
+    background thread in submission order, and the newest merged iteration, to wait on.
+
+    The training thread calls :meth:`submit`, :meth:`wait_idle`, :meth:`close`; the background
+    thread runs ``handle`` and reports progress with :meth:`_set_merged`. Its first error is
+    re-raised on the training thread with :attr:`failure`.
+    """
+
+    failure = "LowDiff+ merger failed"
+
+    def __init__(self, thread_name: str, handle: Any, drop: Any):
+        self._merged = -1
+        self._cond = threading.Condition()
+        self.merge_seconds = 0.0
+        """Time spent merging, cumulative."""
+        self._worker = BackgroundWorker(thread_name, handle, drop=drop, on_error=self._failed)
+
+    def submit(self, job: MergeJob) -> None:
+        """Queue ``job``; its slot is released once it is merged. The training thread."""
+        self._raise_background_error()
+        self._worker.put(job)
+
+    @property
+    def merged_iteration(self) -> int:
+        return self._merged
+
+    def wait_idle(self) -> None:
+        """Block until every queued job has been handled."""
+        self._worker.join()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Handle what is queued, then stop the thread."""
+        self._worker.stop()
+        self._raise_background_error()
+
+    def _set_merged(self, iteration: int) -> None:
+        with self._cond:
+            self._merged = iteration
+            self._cond.notify_all()
+
+    def _raise_background_error(self) -> None:
+        if self._worker.error is not None:
+            raise RuntimeError(self.failure) from self._worker.error
+
+    def _failed(self, exc: BaseException) -> None:
+        logger.error(self.failure, exc_info=exc)
+        with self._cond:  # wake the waiters, which raise it
+            self._cond.notify_all()
+
+
+class ReplicaMerger(QueuedMerges):
     """Keeps a host replica of this rank's optimizer shard and merges every step into it.
 
     Args:
@@ -193,13 +246,7 @@ class ReplicaMerger:
         self.writer = writer
         self.capture = GradShardCapture()
         self.optimizers: list[torch.optim.Optimizer | None] = []
-        self._merged = -1
-        self._cond = threading.Condition()
-        self.merge_seconds = 0.0
-        """Merger-thread time spent merging, cumulative."""
-        self._worker = BackgroundWorker(
-            "diffckpt-merger", self._merge_job, drop=self._drop, on_error=self._failed
-        )
+        super().__init__("diffckpt-merger", self._merge_job, self._drop)
 
     # ----------------------------------------------------------------- training thread
     def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
@@ -207,18 +254,7 @@ class ReplicaMerger:
         ``iteration``). Waits until earlier jobs are merged. The training thread."""
         self.wait_idle()
         self.optimizers = refresh_replicas(torch_optimizers, self.optimizers)
-        with self._cond:
-            self._merged = iteration
-            self._cond.notify_all()
-
-    def submit(self, job: MergeJob) -> None:
-        """Queue ``job``; the merger releases its slot when done. The training thread."""
-        self._raise_background_error()
-        self._worker.put(job)
-
-    @property
-    def merged_iteration(self) -> int:
-        return self._merged
+        self._set_merged(iteration)
 
     def wait_merged(self, iteration: int) -> float:
         """Block until ``iteration`` is merged; returns the seconds waited."""
@@ -229,33 +265,12 @@ class ReplicaMerger:
         self._raise_background_error()
         return time.perf_counter() - start
 
-    def wait_idle(self) -> None:
-        """Block until every queued job has been merged."""
-        self._worker.join()
-        self._raise_background_error()
-
-    def close(self) -> None:
-        """Merge what is queued, then stop the thread."""
-        self._worker.stop()
-        self._raise_background_error()
-
     # ----------------------------------------------------------------- merger thread
-    def _raise_background_error(self) -> None:
-        if self._worker.error is not None:
-            raise RuntimeError("LowDiff+ merger failed") from self._worker.error
-
     def _merge_job(self, job: MergeJob) -> None:
         start = time.perf_counter()
         self._merge(job)
         self.merge_seconds += time.perf_counter() - start
-        with self._cond:
-            self._merged = job.iteration
-            self._cond.notify_all()
-
-    def _failed(self, exc: BaseException) -> None:
-        logger.error("LowDiff+ merger failed", exc_info=exc)
-        with self._cond:  # wake wait_merged, which raises it
-            self._cond.notify_all()
+        self._set_merged(job.iteration)
 
     def _drop(self, item: MergeJob) -> None:
         if item.slot is not None:

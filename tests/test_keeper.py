@@ -14,7 +14,9 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -325,16 +327,11 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
     The run ends equal to an uninterrupted one (``torch.equal``, state and losses)."""
     ckpt, common, diff = _straight_run_and_flags(tmp_path, total=40, batch=1000)
     with TwoNodes(tmp_path, [*common, *diff]) as job:
-        job.logged(11)  # 1. the ranks only
-        job.kill(job.ranks())
-        job.logged(21)  # 2. node 1 whole
         # What node 0's keeper holds of both ranks (its own, and its copy of node 1's) when
         # node 1 dies: none of it may be lost.
-        held = min(c["last"] for c in query(job.keeper_socket(0))["chains"])
-        job.restart_node(1)
-        job.logged(31)  # 3. everything
-        job.restart_all()
-        job.wait()
+        held = job.three_faults(
+            lambda: min(c["last"] for c in query(job.keeper_socket(0))["chains"])
+        )
         text = job.text()
     # Rank 0 logs the recoveries (on whichever node it ran): in time order.
     found = re.findall(
@@ -449,6 +446,21 @@ class TwoNodes:
     def wait(self) -> None:
         for n in self.nodes:
             assert n.wait(RUN_TIMEOUT_S) == 0, self.text()[-4000:]
+
+    def three_faults(self, before_node_loss: Callable[[], Any]) -> Any:
+        """Three faults, each by SIGKILL, then the job's end: after iteration 11 both ranks
+        (torchrun restarts them); after 21 node 1 whole, started again with a fresh keeper
+        (``before_node_loss()`` runs first: its result is returned); after 31 everything, both
+        nodes started again."""
+        self.logged(11)
+        self.kill(self.ranks())
+        self.logged(21)
+        seen = before_node_loss()
+        self.restart_node(1)
+        self.logged(31)
+        self.restart_all()
+        self.wait()
+        return seen
 
 
 def _straight_run_and_flags(
