@@ -182,7 +182,7 @@ class HostedReplicas:
         self.link = link
         self._replicas: dict[tuple, HostedReplica] = {}
         self._copies: dict[tuple, HostedReplica] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a refused copy is dropped while it is held
         self._files = 0
 
     def handle(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
@@ -242,13 +242,9 @@ class HostedReplicas:
                 if previous is not None and previous.merged == int(req["iteration"]):
                     carried = previous.record
                 replica = HostedReplica(req, bytes(payload) or carried, previous)
-                room = self.state.reserve(replica.nbytes, previous.nbytes if previous else 0)
-                if not room[0]:
-                    self._remove_files(replica.files - (previous.files if previous else set()))
-                    return {"error": room[1]}
-                self._replicas[key] = replica
-                if previous is not None:
-                    self._remove_files(previous.files - replica.files)
+                refused = self._install(self._replicas, key, replica, previous)
+                if refused:
+                    return {"error": refused}
             finally:
                 if previous is not None:
                     previous.lock.release()
@@ -286,11 +282,10 @@ class HostedReplicas:
                 copy = HostedReplica(
                     req, _slice(payload, req["record"]), None, lambda s: tensor_from(s, payload)
                 )
-                room = self.state.reserve(copy.nbytes, previous.nbytes if previous else 0)
-                if not room[0]:
-                    self._copies.pop(key, None)
-                    return {"error": room[1]}, b""
-                self._copies[key] = copy
+                refused = self._install(self._copies, key, copy, previous)
+                if refused:  # the previous copy is of an older replica: no use any more
+                    self._drop(self._copies, key)
+                    return {"error": refused}, b""
                 if req.get("held"):
                     feed(copy, req["held"], payload)
             return {"ok": True}, b""
@@ -339,13 +334,11 @@ class HostedReplicas:
             replica = HostedReplica(header, _slice(payload, header["record"]), None, into_file)
             if header.get("held"):
                 feed(replica, header["held"], payload)
-            room = self.state.reserve(replica.nbytes)
-            if not room[0]:
-                self._remove_files(replica.files)
-                logger.warning("keeper: the peer's copy does not fit here: %s", room[1])
-                return None
             replica.tier = f"the keeper of node {self.link.successor} (a peer)"
-            self._replicas[key] = replica
+            refused = self._install(self._replicas, key, replica, None)
+            if refused:
+                logger.warning("keeper: the peer's copy does not fit here: %s", refused)
+                return None
         who = dict(key)
         logger.info(
             "keeper: adopted the replica of rank_%d_%d_%d at iteration %d%s from %s",
@@ -359,6 +352,25 @@ class HostedReplicas:
         return replica
 
     # ----------------------------------------------------------------- bookkeeping
+    def _install(
+        self,
+        table: dict[tuple, HostedReplica],
+        key: tuple,
+        replica: HostedReplica,
+        previous: HostedReplica | None,
+    ) -> str:
+        """Put ``replica`` in ``table`` in place of ``previous``, its bytes reserved against the
+        cap: ``""``, or why not (then ``replica``'s own files are removed, ``previous`` stays).
+        With ``self._lock`` held."""
+        room = self.state.reserve(replica.nbytes, previous.nbytes if previous else 0)
+        before = previous.files if previous else set()
+        if not room[0]:
+            self._remove_files(replica.files - before)
+            return room[1]
+        table[key] = replica
+        self._remove_files(before - replica.files)
+        return ""
+
     def _drop(self, table: dict[tuple, HostedReplica], key: tuple) -> None:
         with self._lock:
             replica = table.pop(key, None)
