@@ -323,6 +323,11 @@ class _PeerServer(_Serving, socketserver.ThreadingMixIn, socketserver.TCPServer)
         super().__init__((host, 0), _Handler)
 
 
+def shared_memory_root() -> str:
+    """Where keepers' shared-memory folders go: ``/dev/shm`` (memory) where there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 def serve(
     path: str,
     memory: int,
@@ -362,8 +367,7 @@ def serve(
     local = _Server(path, state, link)
     os.chmod(path, 0o600)
     if shm is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        shm = tempfile.mkdtemp(prefix="diffckpt-keeper-", dir=base)
+        shm = tempfile.mkdtemp(prefix="diffckpt-keeper-", dir=shared_memory_root())
     os.makedirs(shm, mode=0o700, exist_ok=True)
     local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
     for server in servers:  # the peers' server takes the copies

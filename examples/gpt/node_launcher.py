@@ -109,8 +109,9 @@ def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Pope
 def shm_dir(sock: str) -> str:
     """The keeper's shared-memory folder (LowDiff+'s replica), named after its socket's folder:
     this launcher removes it even when the keeper died without removing it."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, os.path.basename(os.path.dirname(sock)))
+    from megatron_diffckpt.keeper import shared_memory_root
+
+    return os.path.join(shared_memory_root(), os.path.basename(os.path.dirname(sock)))
 
 
 def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
