@@ -206,9 +206,9 @@ def recover_from_keepers(
     reply = client.call({"op": "replica_state"}) if client is not None else None
     held = reply[0].get("replica") if reply is not None else None
     low, high = (held["low"], held["high"]) if held else (-1, -1)
-    target = all_reduce_min([high])[0]
-    can = held is not None and target >= 0 and low <= target <= high
-    if not all_reduce_min([int(can)])[0]:
+    # every rank reaches T = MIN(high) when every rank holds one and MAX(low) <= T: one MIN
+    target, minus_low, everyone = all_reduce_min([high, -low, int(held is not None)])
+    if not (everyone and target >= 0 and -minus_low <= target):
         if target < 0:
             logger.info("recovery: the node keepers hold no replica: recovering from storage")
         else:

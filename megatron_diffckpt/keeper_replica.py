@@ -212,8 +212,9 @@ class HostedReplicas:
     def _serve(self, op: str, replica: HostedReplica, req: dict, payload: bytearray):
         start = time.perf_counter()
         if op == "replica_merge":
-            released = replica.take(req, bytes(payload))
-            self._forward_iteration(req, replica, bytes(payload))
+            record = bytes(payload)
+            released = replica.take(req, record)
+            self._forward_iteration(req, replica, record)
         elif op == "replica_flush":
             released = replica.flush(int(req["through"]))
         elif op == "replica_settle":
