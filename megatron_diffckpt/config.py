@@ -76,6 +76,12 @@ class DiffCkptConfig:
     retune_interval: int = 50
     """Iterations between auto-tune decisions."""
 
+    buffered_io: bool = False
+    """Write diff-log segments through the page cache. By default they are written with direct
+    I/O (O_DIRECT) wherever the filesystem takes it: no copy into the page cache and no
+    writeback on the training node's cores; a filesystem that refuses it is written buffered,
+    said once in the log."""
+
     plus_no_diff_log: bool = False
     """lowdiff-plus: persist bases only, without the per-iteration differentials between them
     (recovery then resumes from the newest base)."""

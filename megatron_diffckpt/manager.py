@@ -381,6 +381,7 @@ class DiffCheckpointManager:
                 chain_start=iteration,
                 **({"slow_hint": PLUS_SLOW_HINT} if plus else {}),
                 keeper=self.keeper,
+                direct_io=not self.config.buffered_io,
             )
         if self.writer is None and self._from_keeper is None:
             self._published_bases.append(iteration)  # bases only: durable from the start on

@@ -69,10 +69,10 @@ cheaper than recomputation is why the base interval of LowDiff can be much longe
 
 **Optimum in B.** No useful closed form once the max() bites; B is small and integral, so the
 tuner evaluates every B from 1 up to the largest the host memory budget allows
-(``(max_pending + 2) * B * s <= budget``, the writer's bound on records in memory), each with its
-:math:`F^*(B)` rounded both ways, and keeps the smallest W. Without interference and with a writer
-that keeps up, B = 1 wins (every iteration durable); a slow writer (large L) pushes B up until
-:math:`w(B)/B \le a + c_0`.
+(``(max_pending + 3) * B * s <= budget``, the writer's bound on records in memory and its
+staging buffer), each with its :math:`F^*(B)` rounded both ways, and keeps the smallest W.
+Without interference and with a writer that keeps up, B = 1 wins (every iteration durable); a
+slow writer (large L) pushes B up until :math:`w(B)/B \le a + c_0`.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def max_batch(c: CostInputs, limit: int = 1024) -> int:
     """The largest B whose records fit the host memory budget (at least 1)."""
     if c.diff_bytes == 0 or math.isinf(c.host_memory_budget):
         return limit
-    held = (c.max_pending + 2) * c.diff_bytes  # per unit of B: see DiffLogWriter
+    held = (c.max_pending + 3) * c.diff_bytes  # per unit of B: see DiffLogWriter
     return max(1, min(limit, int(c.host_memory_budget // held)))
 
 

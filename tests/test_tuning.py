@@ -136,9 +136,9 @@ def test_bases_are_not_taken_faster_than_they_persist():
 
 def test_host_memory_budget_bounds_the_batch():
     c = CostInputs(
-        **{**BASE, "write_latency_s": 3.0}, mtbf_s=1800, host_memory_budget=12e6, max_pending=2
+        **{**BASE, "write_latency_s": 3.0}, mtbf_s=1800, host_memory_budget=15e6, max_pending=2
     )
-    assert max_batch(c) == 3  # (2 + 2) x B x 1 MB <= 12 MB
+    assert max_batch(c) == 3  # (2 + 3) x B x 1 MB <= 15 MB
     assert optimize(c).batch_size <= 3
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
-from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.durable_io import StagedPublisher, publish_file
 from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
 from megatron_diffckpt.storage.format import (
@@ -98,7 +98,7 @@ class DiffLogWriter:
         compressor: the compressor's name, recorded in each header.
         batch_size: iterations per segment (B).
         max_pending: segments that may wait for the background thread (bounds host memory at
-            about ``(max_pending + 2) * batch_size`` records).
+            about ``(max_pending + 2) * batch_size`` records, and the staging buffer one segment).
         when_full: when storage cannot keep up or is full: ``"block"`` (wait for the writer;
             a full disk stops training with :class:`StorageFullError`) or ``"skip"`` (drop the
             batch with one warning per incident, go on; durability waits for the next base).
@@ -106,6 +106,10 @@ class DiffLogWriter:
         slow_hint: what to do when storage cannot keep up, for the warning that says so (once
             per writer, the first time a hand-over waits for it).
         keeper: the node's keeper, handed every record before storage (``None``: storage only).
+        direct_io: write segments with direct I/O where the filesystem takes it
+            (:class:`~megatron_diffckpt.durable_io.StagedPublisher`; ``False``: through the page
+            cache). Either way the writer holds one page-aligned staging buffer of the largest
+            segment's size.
     """
 
     SLOW_AFTER_S = 0.01
@@ -122,6 +126,7 @@ class DiffLogWriter:
         chain_start: int = 0,
         slow_hint: str = "a larger --diffckpt-batch-size spreads each write's fixed cost",
         keeper: KeeperClient | None = None,
+        direct_io: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -150,6 +155,7 @@ class DiffLogWriter:
         self._after_gap: list[tuple[int, int]] = []
         self._samples: deque[SegmentSample] = deque(maxlen=256)
         self._full_since: int | None = None  # first iteration skipped for a full disk
+        self._publisher = StagedPublisher(direct_io, what=f"diff log {identity.dirname()}")
         self._worker = BackgroundWorker(
             "diffckpt-writer", self._write, maxsize=max_pending, on_error=self._failed
         )
@@ -234,6 +240,7 @@ class DiffLogWriter:
             self.flush()
         finally:
             self._worker.stop()
+            self._publisher.close()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -343,14 +350,12 @@ class DiffLogWriter:
         self._check_owner()
         timed: list[float] = []
 
-        def write(f):
-            n = write_segment(f, header, batch)
+        def written():
             timed.append(time.perf_counter() - start)
             failpoints.reach("segment-write")  # written, neither fsynced nor published
-            return n
 
         try:
-            n = publish_file(final, write)
+            n = self._publisher.publish(final, lambda f: write_segment(f, header, batch), written)
         except OSError as exc:
             if exc.errno not in FULL_ERRNOS:
                 raise
