@@ -202,10 +202,13 @@ def folder_bytes(path: Path) -> int:
 
 
 def interleaved(names: list[str], repeats: int):
-    """``(round, name)``: every configuration once per round, the order rotated each round so
-    that drift of the machine hits them alike."""
+    """``(round, name)``: every configuration once per round, the order rotated each round and
+    reversed every other round, so that drift of the machine hits them alike and no
+    configuration always runs right after the same one (a run's cost can depend on what the
+    previous run left behind: its deleted checkpoints' discards, the page cache)."""
     for round_ in range(repeats):
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in reversed(order) if round_ % 2 else order:
             yield round_, name
 
 

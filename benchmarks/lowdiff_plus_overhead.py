@@ -263,6 +263,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     lines = [
         ("plus", "LowDiff+ (diff log, base per 10)"),
+        ("plus_buffered", "LowDiff+, diff log through the page cache"),
         ("plus_nolog", "LowDiff+ without diff log"),
         ("plus_f1", "LowDiff+ base every iteration"),
         ("stock_sync", "stock sync save"),
@@ -274,7 +275,7 @@ def plot(result: dict, path: Path) -> None:
         ("overhead_mean", axes[0][1], "mean iteration (bases included)"),
     ):
         for name, label in lines:
-            ax.plot(params, [rows[s][name][key] * 100 for s in sizes], "o-", label=label)
+            _line(ax, params, sizes, rows, name, lambda row, k=key: row[k] * 100, label)
         ax.axhline(0, color="k", lw=0.6)
         _size_axis(ax, params)
         ax.set_ylabel("overhead vs no checkpoint (%)")
@@ -297,11 +298,8 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=7)
     ax = axes[1][1]
     for name, label in (("none", "no checkpoint"), *lines):
-        ax.plot(
-            params,
-            [rows[s][name]["peak_host_memory_bytes"] / 2**30 for s in sizes],
-            "o-",
-            label=label,
+        _line(
+            ax, params, sizes, rows, name, lambda row: row["peak_host_memory_bytes"] / 2**30, label
         )
     _size_axis(ax, params)
     ax.set_ylabel("peak host memory of the run (GiB, summed PSS)")
@@ -309,6 +307,14 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"LowDiff+ as the model grows, {result['machine']}, 2 processes", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _line(ax, params: list[float], sizes: list[str], rows: dict, name: str, value, label: str):
+    """``value(row)`` of configuration ``name`` over the sizes that measured it (one added
+    later is missing from older sizes' rows)."""
+    at = [(p, value(rows[s][name])) for p, s in zip(params, sizes, strict=True) if name in rows[s]]
+    if at:
+        ax.plot(*zip(*at, strict=True), "o-", label=label)
 
 
 def _size_axis(ax, params: list[float]) -> None:

@@ -25,8 +25,14 @@ each at its own best setting:
   keeper (none lost; base load and replay as from storage). ``LowDiff+ in keepers``
   (``--diffckpt-plus-keeper-replica``): the replica from the keeper (a host-to-device copy of
   the shard's fp32 parameters and moments, no base, no replay) and bases only to storage (no
-  dense log), which serve the other failures. A node lost whole goes to storage here (the
-  peers' copy is not modelled).
+  dense log), which serve the other failures. With the keepers' ring
+  (``--diffckpt-keeper-peers``), a further share ``peer_share`` loses a node whole: the job
+  restarts with a replacement node (``restart_s``, a requeue, as without the ring), whose
+  ranks fetch the node's copy from the next node's keeper (its ``gpus_per_node`` replicas over
+  ``peer_bandwidth``; LowDiff's differentials are read from the peer in place of storage,
+  counted in the replay) before the same recovery: what the ring saves is the base read, the
+  replay and the lost write batch, not the requeue. ``--peer-share 0`` models keepers without
+  the ring.
 
 Storage is shared: each rank gets ``storage_bandwidth / N`` for writes and reads, so a base
 takes ``P * bytes_per_param / storage_bandwidth`` to persist, whatever N. A full
@@ -89,6 +95,14 @@ class JobSpec:
     memory serves the restart: an assumption to set from a cluster's own failure records."""
     kept_restart_s: float = 120.0
     """torchrun restarting the ranks inside the allocation after such a failure."""
+    peer_share: float = 0.3
+    """Share of failures that lose one node whole (a GPU, NIC or host fault that takes it out)
+    while the rest of the job is up, so that the next node's keeper serves its copy: an
+    assumption, as kept_share; kept_share + peer_share <= 1, the rest goes to storage."""
+    gpus_per_node: int = 8
+    """GPUs (ranks) per node: one keeper's share of the job."""
+    peer_bandwidth: float = 12.5e9
+    """Bytes/s between two nodes' keepers (the host network, 100 Gb/s)."""
 
     def __post_init__(self) -> None:
         if self.gpus % (self.tensor_parallel * self.pipeline_parallel):
@@ -104,6 +118,13 @@ class JobSpec:
                 f"kept_share must be in [0, 1] and kept_restart_s >= 0, got {self.kept_share} "
                 f"and {self.kept_restart_s}"
             )
+        if not 0.0 <= self.peer_share <= 1.0 - self.kept_share:
+            raise ValueError(
+                f"peer_share must be in [0, 1 - kept_share], got {self.peer_share} with "
+                f"kept_share {self.kept_share}"
+            )
+        if self.gpus_per_node < 1 or self.peer_bandwidth <= 0:
+            raise ValueError("gpus_per_node must be >= 1 and peer_bandwidth > 0")
 
     @property
     def data_parallel(self) -> int:
@@ -157,15 +178,20 @@ def full_inputs(job: JobSpec) -> CostInputs:
 
 
 def with_keepers(job: JobSpec, c: CostInputs, replica: bool) -> CostInputs:
-    """``c`` with the node keepers: a share of the failures recovered from host memory, from
-    LowDiff+'s replicas (``replica``: main parameters and two Adam moments, fp32, copied to the
-    device) or from LowDiff's differentials (then base + replay, as from storage)."""
-    copy = job.shard_params * 12.0 / job.staging_bandwidth if replica else None
+    """``c`` with the node keepers and their ring: a share of the failures recovered from host
+    memory, from LowDiff+'s replicas (``replica``: main parameters and two Adam moments, fp32,
+    copied to the device) or from LowDiff's differentials (then base + replay, as from
+    storage); a share that loses a node whole, from the next node's keeper (a replacement node
+    fetches the node's replicas first)."""
+    replica_bytes = job.shard_params * 12.0
     return replace(
         c,
         kept_share=job.kept_share,
         kept_restart_s=job.kept_restart_s,
-        kept_recovery_s=copy,
+        kept_recovery_s=replica_bytes / job.staging_bandwidth if replica else None,
+        peer_share=job.peer_share,
+        peer_restart_s=job.restart_s,  # a node lost whole: a requeue, with or without the ring
+        peer_fetch_s=job.gpus_per_node * replica_bytes / job.peer_bandwidth if replica else 0.0,
     )
 
 

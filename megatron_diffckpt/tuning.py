@@ -42,8 +42,13 @@ failure is :math:`C(F, B) = K(B) + \tfrac{F}{2}\,r`.
 that outlived them: those cost the restart inside the allocation :math:`R_k`, the recovery, and
 the iteration in flight, :math:`C_k(F) = R_k + x + t/2` from LowDiff+'s replicas in the keepers
 (``kept_recovery_s``, no base, no replay) or :math:`R_k + \ell + \tfrac{F}{2} r + t/2` from
-their differentials. Then :math:`C = (1 - q)\,C + q\,C_k`, again linear in F: the optimum
-below holds with :math:`K = C(0, B)` and :math:`r` the slope's replay (``replay_slope_s``).
+their differentials. With the keepers' ring (:mod:`~megatron_diffckpt.keeper_peers`), a further
+share :math:`q_p` (``peer_share``) loses a node whole, its ranks and its keeper, while the next
+node's keeper holds its copy: :math:`C_p(F) = R_p + y + x + t/2` (or with :math:`\ell +
+\tfrac{F}{2} r` in place of :math:`x`), the restart with a replacement node :math:`R_p` and the
+lost node's fetch of its copy from the peer :math:`y`. Then :math:`C = (1 - q - q_p)\,C + q\,C_k
++ q_p\,C_p`, again linear in F: the optimum below holds with :math:`K = C(0, B)` and :math:`r`
+the slope's replay (``replay_slope_s``).
 
 **Expected wall time per useful iteration.** Failures arrive at rate :math:`\lambda` per second of
 wall time, each wasting :math:`C` seconds, so a share :math:`\lambda C` of the time makes no
@@ -121,6 +126,13 @@ class CostInputs:
     kept_recovery_s: float | None = None
     """x: recovering from the keepers' LowDiff+ replicas (a host-to-device copy); ``None``: the
     keepers hold differentials, and recovery loads the base and replays as from storage."""
+    peer_share: float = 0.0
+    """q_p: share of the failures that lose a node whole (its ranks and its keeper) while the
+    next node's keeper holds its copy (the keepers' ring); ``kept_share + peer_share <= 1``."""
+    peer_restart_s: float = 0.0
+    """R_p: restarting after such a failure, with a replacement node."""
+    peer_fetch_s: float = 0.0
+    """y: the lost node's ranks fetching their copy from the peer's keeper."""
 
     def __post_init__(self) -> None:
         if self.iteration_s <= 0:
@@ -135,8 +147,14 @@ class CostInputs:
             raise ValueError("write_bandwidth, mtbf_s and host_memory_budget must be > 0")
         if not 0.0 <= self.kept_share <= 1.0:
             raise ValueError(f"kept_share must be in [0, 1], got {self.kept_share}")
-        if self.kept_restart_s < 0 or (self.kept_recovery_s or 0.0) < 0:
-            raise ValueError("kept_restart_s and kept_recovery_s must be >= 0")
+        if not 0.0 <= self.peer_share <= 1.0 - self.kept_share:
+            raise ValueError(
+                f"peer_share must be in [0, 1 - kept_share], got {self.peer_share} with "
+                f"kept_share {self.kept_share}"
+            )
+        for name in ("kept_restart_s", "kept_recovery_s", "peer_restart_s", "peer_fetch_s"):
+            if (getattr(self, name) or 0.0) < 0:
+                raise ValueError(f"{name} must be >= 0")
 
     @property
     def failure_rate(self) -> float:
@@ -178,13 +196,15 @@ def base_stall_s(c: CostInputs, full_interval: float, batch: int) -> float:
 
 def failure_cost_s(c: CostInputs, full_interval: float, batch: int) -> float:
     """C(F, B): expected seconds lost per failure (a share ``kept_share`` of them recovered
-    from the node keepers)."""
+    from the node keepers, a share ``peer_share`` from the next node's keeper)."""
     t = step_s(c, batch)
     lost_iterations = batch / 2.0 + write_s(c, batch) / t
     storage = c.restart_s + c.base_load_s + lost_iterations * t + full_interval / 2.0 * c.replay_s
-    if c.kept_share == 0.0:
+    if c.kept_share == 0.0 and c.peer_share == 0.0:
         return storage
-    return (1.0 - c.kept_share) * storage + c.kept_share * kept_failure_cost_s(c, full_interval, t)
+    kept = kept_failure_cost_s(c, full_interval, t)
+    peer = kept - c.kept_restart_s + c.peer_restart_s + c.peer_fetch_s
+    return (1.0 - c.kept_share - c.peer_share) * storage + c.kept_share * kept + c.peer_share * peer
 
 
 def kept_failure_cost_s(c: CostInputs, full_interval: float, t: float) -> float:
@@ -199,8 +219,8 @@ def kept_failure_cost_s(c: CostInputs, full_interval: float, t: float) -> float:
 
 def replay_slope_s(c: CostInputs) -> float:
     """r_eff = 2 dC/dF: replay per differential, over the failures that replay (all, but those
-    the keepers' replicas serve)."""
-    replicas = c.kept_share if c.kept_recovery_s is not None else 0.0
+    the keepers' replicas serve, locally or from the peer)."""
+    replicas = c.kept_share + c.peer_share if c.kept_recovery_s is not None else 0.0
     return c.replay_s * (1.0 - replicas)
 
 

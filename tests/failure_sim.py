@@ -11,7 +11,9 @@ after it (``r`` each), and go on from there; the diff log starts a new chain at 
 iteration, and writes in flight are lost. A share ``kept_share`` of the failures (drawn at each)
 leaves the node keepers holding every iteration done: the ranks restart in the allocation
 (``R_k``) and recover it from the keepers' replicas (``x``), or from the base and the keepers'
-differentials (``l`` + ``r`` each).
+differentials (``l`` + ``r`` each); a share ``peer_share`` loses a node whole, and its
+replacement (``R_p``) fetches the node's copy from the next node's keeper (``y``) before the
+same recovery.
 """
 
 from __future__ import annotations
@@ -58,12 +60,16 @@ def simulate(c: CostInputs, full_interval: int, batch: int, iterations: int, see
             while True:  # recover; a failure during recovery starts it over
                 completed = [i for t, i in writes if t <= now]
                 base = max([last_base] + [i for t, i in bases if t <= now])
-                if rng.random() < c.kept_share:  # the keepers hold all that was handed over
+                tier = rng.random()
+                if tier < c.kept_share + c.peer_share:  # keepers hold all that was handed over
                     durable = done
                     recovery = c.kept_recovery_s
                     if recovery is None:  # their differentials: the base, then replay
                         recovery = c.base_load_s + (durable - base) * c.replay_s
-                    recovered = now + c.kept_restart_s + recovery
+                    if tier < c.kept_share:  # the hosts are up: a restart in the allocation
+                        recovered = now + c.kept_restart_s + recovery
+                    else:  # a node lost whole: a replacement fetches its copy from the peer
+                        recovered = now + c.peer_restart_s + c.peer_fetch_s + recovery
                 else:
                     durable = max([written, base, chain_start, *completed])
                     recovered = now + c.restart_s + c.base_load_s + (durable - base) * c.replay_s

@@ -115,6 +115,27 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         assert lost["LowDiff+ in keepers"] < lost["LowDiff+ (bases only)"]
 
 
+def test_tune_with_the_keepers_ring_loses_less_than_without(capsys):
+    def lost(*extra: str) -> dict[tuple[int, str], float]:
+        assert main(["tune", "--sweep", "--tensor-parallel", "8", "--pipeline-parallel", "1",
+                     "--json", *extra]) == 0  # fmt: skip
+        return {(r["gpus"], r["strategy"]): r["lost_hours"] for r in json.loads(
+            capsys.readouterr().out)}  # fmt: skip
+
+    ring, local = lost(), lost("--peer-share", "0")
+    for (gpus, strategy), hours in ring.items():
+        if strategy == "LowDiff + keepers":  # no write batch lost with a node
+            assert hours < local[gpus, strategy], gpus
+        elif strategy == "LowDiff+ in keepers":
+            # The node's replicas (840 GB for 70B on 8 GPUs) over the 100 Gb/s peer link against
+            # storage's share of 100 GB/s: the peer is slower at 8 GPUs, faster from 128 on.
+            assert (hours < local[gpus, strategy]) == (gpus >= 128), gpus
+        else:
+            assert hours == local[gpus, strategy], gpus  # storage alone: the ring changes nothing
+    assert main(["tune", "--kept-share", "0.8", "--peer-share", "0.3"]) == 2
+    assert "peer_share must be in [0, 1 - kept_share]" in capsys.readouterr().err
+
+
 def test_tune_refuses_a_layout_that_does_not_divide(capsys):
     assert main(["tune", "--gpus", "100", "--tensor-parallel", "8"]) == 2
     assert "not a multiple of TP x PP" in capsys.readouterr().err

@@ -191,16 +191,22 @@ def test_lowdiff_plus_keeps_the_diff_log_only_where_storage_takes_it():
 
 # Half the failures leave the hosts up: the keepers serve them, from LowDiff's differentials
 # (base + replay) or from LowDiff+'s replicas (a copy, no replay).
+_DIFFERENTIALS = dict(kept_share=0.5, kept_restart_s=10.0)
+_REPLICAS = dict(_DIFFERENTIALS, kept_recovery_s=0.5)
+# A further 30% lose a node whole: a replacement node fetches the node's copy from its peer.
+_PEERS = dict(peer_share=0.3, peer_restart_s=40.0, peer_fetch_s=2.0)
 KEPT = {
-    "differentials": dict(kept_share=0.5, kept_restart_s=10.0),
-    "replicas": dict(kept_share=0.5, kept_restart_s=10.0, kept_recovery_s=0.5),
+    "differentials": _DIFFERENTIALS,
+    "replicas": _REPLICAS,
+    "differentials+peers": {**_DIFFERENTIALS, **_PEERS},
+    "replicas+peers": {**_REPLICAS, **_PEERS},
 }
 
 
 @pytest.mark.parametrize("kept", sorted(KEPT))
 def test_the_keepers_tier_is_predicted_as_simulated_and_optimised_in_f(kept):
     c = replace(SCENARIOS["fast-writer-mtbf-10min"], **KEPT[kept])
-    if kept == "replicas":  # LowDiff+ in the keepers: bases only to storage, no diff log
+    if kept.startswith("replicas"):  # LowDiff+ in the keepers: bases only to storage, no log
         c = replace(c, diff_s=0.0, diff_bytes=0.0, write_latency_s=0.0, replay_s=c.iteration_s)
     best = optimize(c)
     f = optimal_full_interval(c, best.batch_size)
@@ -228,6 +234,28 @@ def test_failures_the_keepers_serve_cost_less_and_lengthen_the_base_interval():
     assert full_checkpointing(with_replicas).overhead < full_checkpointing(bases).overhead
 
 
+def test_failures_the_peers_serve_cost_what_their_tier_says_and_less_than_storage():
+    storage = SCENARIOS["fast-writer-mtbf-10min"]
+    kept = replace(storage, **KEPT["differentials"])
+    peers = replace(storage, **KEPT["differentials+peers"])
+    t = step_s(storage, 4)
+    kept_tier = 10.0 + 10.0 + 10 * 0.05 + t / 2  # restart, base, replay of F/2, in flight
+    peer_tier = 40.0 + 2.0 + 10.0 + 10 * 0.05 + t / 2  # replacement node, fetch, the same
+    assert failure_cost_s(peers, 20, 4) == pytest.approx(
+        0.2 * failure_cost_s(storage, 20, 4) + 0.5 * kept_tier + 0.3 * peer_tier
+    )
+    assert optimize(peers).overhead < optimize(kept).overhead < optimize(storage).overhead
+    # From the replicas, no failure the keepers or their peers serve replays: bases get rarer.
+    bases = replace(storage, diff_s=0.0, diff_bytes=0.0, write_latency_s=0.0, replay_s=1.0)
+    local = full_checkpointing(replace(bases, **KEPT["replicas"]))
+    ring = full_checkpointing(replace(bases, **KEPT["replicas+peers"]))
+    assert ring.full_interval > local.full_interval and ring.overhead < local.overhead
+
+
 def test_a_keepers_share_outside_zero_to_one_is_refused():
     with pytest.raises(ValueError, match="kept_share"):
         CostInputs(**BASE, kept_share=1.5)
+    with pytest.raises(ValueError, match="peer_share"):
+        CostInputs(**BASE, kept_share=0.8, peer_share=0.3)
+    with pytest.raises(ValueError, match="peer_fetch_s"):
+        CostInputs(**BASE, peer_share=0.1, peer_fetch_s=-1.0)

@@ -1,8 +1,10 @@
 """The batched background writer of one rank's diff log.
 
 The training loop hands over one :class:`DiffRecord` per iteration; every ``batch_size`` records
-become one segment, which a background thread serialises to ``<name>.tmp``, fsyncs, renames to its
-final name and fsyncs the directory: only then do its iterations count as durable. The loop never
+become one segment, which a background thread serialises into its staging buffer, writes to
+``<name>.tmp`` (direct I/O where the filesystem takes it:
+:class:`~megatron_diffckpt.durable_io.StagedPublisher`), fsyncs, renames to its final name and
+fsyncs the directory: only then do its iterations count as durable. The loop never
 waits on storage unless it asks to (:meth:`DiffLogWriter.flush`) or the bounded backlog is full and
 the policy is ``"block"``; with ``"skip"`` the batch is dropped instead, a warning names the lost
 iterations, and durability stops advancing at the gap (a chain cannot be replayed past it) until
