@@ -186,7 +186,7 @@ class StagedPublisher:
         """``tmp`` holding the staged bytes; returns its open descriptor."""
         if self.direct:
             try:
-                return self._write_direct(tmp)
+                return self._write_file(tmp, direct=True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -197,23 +197,20 @@ class StagedPublisher:
                     os.path.dirname(tmp) or ".",
                     exc.strerror,
                 )
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            with self.staging.padded() as data:
-                _write_all(fd, data[: self.staging.tell()])
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return self._write_file(tmp, direct=False)
 
-    def _write_direct(self, tmp: str) -> int:
+    def _write_file(self, tmp: str, direct: bool) -> int:
         size = self.staging.tell()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        fd = os.open(tmp, flags, 0o644)
         try:
-            with self.staging.padded() as data:
-                _write_all(fd, data)
-                if len(data) != size:
-                    os.ftruncate(fd, size)  # the padding was only direct I/O's unit
+            with self.staging.padded() as padded:
+                if not direct:
+                    _write_all(fd, padded[:size])
+                else:  # whole pages, then the padding, only direct I/O's unit, cut off
+                    _write_all(fd, padded)
+                    if len(padded) != size:
+                        os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
             raise

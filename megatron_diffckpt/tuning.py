@@ -202,19 +202,18 @@ def failure_cost_s(c: CostInputs, full_interval: float, batch: int) -> float:
     storage = c.restart_s + c.base_load_s + lost_iterations * t + full_interval / 2.0 * c.replay_s
     if c.kept_share == 0.0 and c.peer_share == 0.0:
         return storage
-    kept = kept_failure_cost_s(c, full_interval, t)
-    peer = kept - c.kept_restart_s + c.peer_restart_s + c.peer_fetch_s
+    held = held_recovery_s(c, full_interval) + t / 2.0  # and the iteration in flight
+    kept = c.kept_restart_s + held  # C_k: the restart in the allocation
+    peer = c.peer_restart_s + c.peer_fetch_s + held  # C_p: a replacement node fetches the copy
     return (1.0 - c.kept_share - c.peer_share) * storage + c.kept_share * kept + c.peer_share * peer
 
 
-def kept_failure_cost_s(c: CostInputs, full_interval: float, t: float) -> float:
-    """C_k(F): a failure the keepers survive: the restart in the allocation, the recovery (from
-    their replicas, or base + replay of their differentials), and the iteration in flight."""
+def held_recovery_s(c: CostInputs, full_interval: float) -> float:
+    """x, or l + F/2 r: recovering what the keepers hold (their replicas, or base + replay of
+    their differentials), after a failure they or their peers survived."""
     if c.kept_recovery_s is not None:
-        recovery = c.kept_recovery_s
-    else:
-        recovery = c.base_load_s + full_interval / 2.0 * c.replay_s
-    return c.kept_restart_s + recovery + t / 2.0
+        return c.kept_recovery_s
+    return c.base_load_s + full_interval / 2.0 * c.replay_s
 
 
 def replay_slope_s(c: CostInputs) -> float:
