@@ -164,7 +164,8 @@ def _print_keeper(k: dict) -> None:
     held = (k["bytes"] + k.get("reserved", 0)) / 2**20
     print(
         f"keeper {k['socket']}: {k['records']} record(s) of {k['ranks']} rank(s), "
-        f"{len(k.get('replicas', []))} LowDiff+ replica(s), {held:.1f} of "
+        f"{len(k.get('replicas', []))} LowDiff+ replica(s), {len(k.get('bases', []))} "
+        f"LowDiff base(s), {held:.1f} of "
         f"{k['memory'] / 2**20:.1f} MiB, {k['evicted']} evicted"
     )
     for c in k["chains"]:
@@ -177,6 +178,12 @@ def _print_keeper(k: dict) -> None:
         print(
             f"  rank_{r['tp_rank']}_{r['pp_rank']}_{r['dp_rank']}: LowDiff+ replica at "
             f"iteration {r['merged']}{also}, {r['bytes'] / 2**20:.1f} MiB (run {r['run_id'][:8]})"
+        )
+
+    for b in k.get("bases", []):
+        print(
+            f"  rank_{b['tp_rank']}_{b['pp_rank']}_{b['dp_rank']}: LowDiff base of iteration "
+            f"{b['iteration']}, {b['bytes'] / 2**20:.1f} MiB (run {b['run_id'][:8]})"
         )
 
 

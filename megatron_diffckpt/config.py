@@ -92,6 +92,12 @@ class DiffCkptConfig:
     diff log; a restart recovers from the keepers without reading storage (without a keeper:
     in-process, with the diff log unless --diffckpt-plus-no-diff-log)."""
 
+    keeper_no_base: bool = False
+    """lowdiff under a node launcher with a keeper: do not stage each base in the keeper's
+    memory. By default every base is also copied there (one host copy of the optimizer shard
+    and residuals per base; held within --diffckpt-keeper-memory), so that a restart whose
+    ranks all find it reads no base from storage."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise DiffCkptUsageError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")

@@ -55,6 +55,10 @@ class ErrorFeedbackResiduals:
     def keys(self) -> list[str]:
         return sorted(self._residuals)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The residuals themselves (not copies: read them between steps)."""
+        return dict(self._residuals)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of every residual on the CPU (safe to save while training goes on)."""
         return {k: self._residuals[k].detach().to("cpu", copy=True) for k in self.keys()}

@@ -16,7 +16,9 @@ The points:
   iteration's optimizer step (:meth:`~megatron_diffckpt.plus.LowDiffPlusStrategy.end_iteration`);
 - ``iteration-end``: an iteration's differential was handed over (LowDiff: to the diff log's
   writer, and to the node's keeper when one runs; LowDiff+: to its merger), before the next
-  iteration (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.end_iteration`).
+  iteration (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.end_iteration`);
+- ``base-kept``: LowDiff's node keeper acknowledged a base (:mod:`~megatron_diffckpt.
+  keeper_base`), right after the save call (an asynchronous save not yet published).
 
 The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
 hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one
@@ -33,7 +35,7 @@ import signal
 import threading
 
 ENV = "DIFFCKPT_FAILPOINT"
-POINTS = ("segment-write", "replay", "plus-hand-over", "iteration-end")
+POINTS = ("segment-write", "replay", "plus-hand-over", "iteration-end", "base-kept")
 
 _SPEC = re.compile(r"(?P<name>[a-z-]+)(?::(?P<n>\d+))?(?:@(?P<rank>\d+))?")
 

@@ -25,7 +25,8 @@ keeper is a second copy, in memory, that a restart reads first.
   (identity, iteration; payload: the record), ``published`` (identity, base iteration: drop the
   records up to it), ``chain`` (identity, after: the consecutive records from ``after + 1``;
   payload: the records end to end), ``stats``, ``stop``; ``replica_*``: LowDiff+'s replica
-  hosted here, its merges and its recovery (:mod:`~megatron_diffckpt.keeper_replica`).
+  hosted here, its merges and its recovery (:mod:`~megatron_diffckpt.keeper_replica`);
+  ``base_*``: LowDiff's newest base in memory (:mod:`~megatron_diffckpt.keeper_base`).
 - **A ring.** With ``--peers DIR --node N --nnodes M``, a second server on TCP takes the same
   requests from the previous node's keeper (each with this keeper's token), and every record
   and published base is copied to the next node's; a ``chain`` this keeper cannot serve (it was
@@ -235,6 +236,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)
             elif op == "published":
                 state.published(req["identity"], int(req["iteration"]))
+                if server.bases is not None:
+                    server.bases.published(_key(req["identity"]), int(req["iteration"]))
                 _send(self.request, {"ok": True})
                 if link is not None and not from_peer:
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")})
@@ -245,6 +248,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     niced = lower_priority()
                 reply = server.replicas.handle(op, _key(req["identity"]), req, payload)
                 _send(self.request, *reply)
+            elif op.startswith("base_") and not from_peer:
+                _send(self.request, *server.bases.handle(op, _key(req["identity"]), req, payload))
             elif op == "stats":
                 _send(self.request, server.stats())
             elif op == "stop" and not from_peer:
@@ -277,6 +282,7 @@ class _Serving:
         self.state, self.link, self.for_peers = state, link, for_peers
         self.stopping = False
         self.replicas: Any = None  # the local server's HostedReplicas
+        self.bases: Any = None  # the local server's KeptBases
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.stop_all: Any = None  # set by serve()
@@ -286,6 +292,8 @@ class _Serving:
         if self.replicas is not None:
             out.update(self.replicas.stats())
             out["shm"] = self.replicas.folder
+        if self.bases is not None:
+            out["bases"] = self.bases.stats()
         if self.link is not None:
             out["peer"] = {"successor": self.link.successor, "dropped": self.link.dropped}
             for c in out["chains"]:
@@ -343,6 +351,7 @@ def serve(
     replicas and their snapshot slots (:mod:`~megatron_diffckpt.keeper_replica`); default a
     fresh one in ``/dev/shm``.
     """
+    from megatron_diffckpt.keeper_base import KeptBases
     from megatron_diffckpt.keeper_peers import PeerLink
     from megatron_diffckpt.keeper_replica import HostedReplicas
 
@@ -370,6 +379,7 @@ def serve(
         shm = tempfile.mkdtemp(prefix="diffckpt-keeper-", dir=shared_memory_root())
     os.makedirs(shm, mode=0o700, exist_ok=True)
     local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
+    local.bases = KeptBases(state, os.path.abspath(shm))
     for server in servers:  # the peers' server takes the copies
         server.replicas = local.replicas
     servers.insert(0, local)

@@ -39,7 +39,14 @@ from typing import Any
 import psutil
 import torch
 
-from megatron_diffckpt import failpoints, full_storage, keeper_merger, recovery, retention
+from megatron_diffckpt import (
+    failpoints,
+    full_storage,
+    keeper_base,
+    keeper_merger,
+    recovery,
+    retention,
+)
 from megatron_diffckpt.autotune import (
     Decision,
     OnlineTuner,
@@ -49,6 +56,7 @@ from megatron_diffckpt.autotune import (
 )
 from megatron_diffckpt.background import children_die_with_this_process
 from megatron_diffckpt.base_space import BaseSpace
+from megatron_diffckpt.capture import capture_rng, restore_rng
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
@@ -58,7 +66,7 @@ from megatron_diffckpt.lowdiff import LowDiffStrategy
 from megatron_diffckpt.patches import base_checkpoint, optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlusStrategy
 from megatron_diffckpt.shard_map import ShardMap, ShardMapRecorder, build_shard_map
-from megatron_diffckpt.storage.format import SegmentIdentity
+from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity
 from megatron_diffckpt.storage.reader import RUN_ID_FILE, scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
 from megatron_diffckpt.strategy import PerIterationStrategy, SaveBase
@@ -128,6 +136,8 @@ class DiffCheckpointManager:
         coords: this rank's ``(tp, pp, dp)`` ranks.
         model_chunks: the megatron DDP modules (needed by ``--diffckpt-mode lowdiff-plus``, whose
             snapshots hook their gradient buckets).
+        residuals: the compressed exchange's error-feedback residuals (``None``: dense), which a
+            base kept in the node's keeper holds with the optimizer shard.
     """
 
     def __init__(
@@ -138,8 +148,10 @@ class DiffCheckpointManager:
         rng_tracker: Any,
         coords: tuple[int, int, int],
         model_chunks: list[Any] | None = None,
+        residuals: Any = None,
     ):
         self.config = config
+        self.residuals = residuals
         self.model_chunks = model_chunks or []
         self.strategy: PerIterationStrategy | None = None  # set by start()
         self.save_dir = save_dir
@@ -165,28 +177,46 @@ class DiffCheckpointManager:
         self._recovery: tuple[float, float | None, float] | None = None
         self._from_keeper: tuple[int, list[Any]] | None = None  # the keeper replica's, recovered
         self._in_keeper = False  # LowDiff+'s replica lives in the node's keeper
+        self._keep_bases = (
+            config.mode == "lowdiff" and self.keeper is not None and not config.keeper_no_base
+        )  # LowDiff's bases staged in the node's keeper too
+        self._kept_refused = False
+        self._ended: tuple[int, int, int] | None = None  # (iteration, scheduler steps, consumed)
+        self._scanned: tuple[int, Any, recovery.TieredChain, float, float] | None = None
         self._shard_maps = ShardMapRecorder(self.rank_dir, config.when_full)
         self.last_diff_seconds = 0.0
         """Training-path time of the last differential: capture, record, hand-off."""
 
-    def recover_from_keeper(self) -> tuple[int, int, int] | None:
-        """With ``--diffckpt-plus-keeper-replica``: recover from the node keepers' LowDiff+
-        replicas, before (instead of) loading a base. All ranks, collectively.
+    def recover_from_keeper(
+        self, storage_base: int | None = None, loaded: bool = False
+    ) -> tuple[int, int, int] | None:
+        """Recover from the node keepers' memory, before (instead of) loading a base when every
+        rank can. All ranks, collectively.
 
-        Returns ``(iteration, scheduler_steps, consumed_samples)`` when every rank's keeper
-        could give the same iteration (the newest every rank handed over); ``None``: load the
-        newest base and :meth:`recover` as without keepers.
+        LowDiff+ with ``--diffckpt-plus-keeper-replica``: from the keepers' replicas (nothing
+        replayed). LowDiff under a keeper: from the newest base every rank's keeper holds
+        (:mod:`~megatron_diffckpt.keeper_base`), when it is at least ``storage_base`` (storage's
+        newest; newer than it when the loop ``loaded`` it already), then the differentials
+        after it. Returns ``(iteration, scheduler_steps, consumed_samples)``; ``None``: load
+        storage's newest base and :meth:`recover` as without keepers.
         """
-        if not (self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica):
-            return None
-        since_process_start = _seconds_since_process_start()
-        torch_optimizers = [
+        if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica:
+            return self._recover_replica()
+        if self._keep_bases and storage_base is not None:
+            return self._recover_kept_base(storage_base, loaded)
+        return None
+
+    def _torch_optimizers(self) -> list[Any]:
+        return [
             None if getattr(o, "is_stub_optimizer", False) else o.optimizer
             for o in optimizer_step.inner_optimizers(self.optimizer)
         ]
+
+    def _recover_replica(self) -> tuple[int, int, int] | None:
+        since_process_start = _seconds_since_process_start()
         got = keeper_merger.recover_from_keepers(
             self.keeper,
-            torch_optimizers,
+            self._torch_optimizers(),
             lambda: optimizer_step.publish_main_params(self.optimizer),
             self.rng_tracker,
             recovery.all_reduce_min,
@@ -204,16 +234,46 @@ class DiffCheckpointManager:
         self._recovery = (seconds, None, max(0.0, since_process_start))
         return target, record.scalars["scheduler_steps"], record.scalars["consumed_samples"]
 
-    def recover(
-        self, base_iteration: int, base_load_s: float = 0.0
-    ) -> tuple[int, int | None, int | None]:
-        """Replay the differentials after the loaded base. All ranks, collectively.
-
-        ``base_load_s`` (how long loading the base took) feeds the auto-tuner. Returns
-        ``(iteration, scheduler_steps, consumed_samples)``; the last two are ``None`` when there
-        was nothing to replay (the base's own values stand).
-        """
+    def _recover_kept_base(self, storage_base: int, loaded: bool) -> tuple[int, int, int] | None:
         since_process_start = _seconds_since_process_start()
+        start = time.perf_counter()
+        scan, chain, _, _ = self._chain(storage_base)
+        offered = keeper_base.offered_bases(self.keeper)
+        agreed = keeper_base.agree_on_kept_base(
+            offered, storage_base, chain.last_iteration, loaded, recovery.all_reduce_min
+        )
+        if agreed is None:
+            logger.info(
+                "recovery: the node keepers hold no base every rank can recover from (this "
+                "rank's keeper: %s; storage's newest base: %d): loading storage's",
+                ", ".join(map(str, sorted(offered.bases))) or "none",
+                storage_base,
+            )
+            return None
+        base, target = agreed
+        row, record = offered.bases[base]
+        keeper_base.load_kept_base(row, self._torch_optimizers(), self.residuals)
+        optimizer_step.publish_main_params(self.optimizer)
+        restore_rng([record], self.rng_tracker)
+        load_s = time.perf_counter() - start
+        logger.info(
+            "recovery: base of iteration %d from the node's keeper in %.3f s (storage's newest "
+            "base: %d, not read)",
+            base,
+            load_s,
+            storage_base,
+        )
+        self._scanned = None
+        last = self._replay_chain(scan, chain, base, target, load_s, since_process_start)
+        last = last or record
+        return target, last.scalars["scheduler_steps"], last.scalars["consumed_samples"]
+
+    def _chain(self, base_iteration: int) -> tuple[Any, recovery.TieredChain, float, float]:
+        """This rank's chain after ``base_iteration``: storage's diff log, then its keeper's
+        records; with the seconds each tier took to read. Any rank (kept for :meth:`recover`
+        after a look that did not recover)."""
+        if self._scanned is not None and self._scanned[0] == base_iteration:
+            return self._scanned[1:]
         start = time.perf_counter()
         scan = scan_rank_log(self.rank_dir, self.identity, base_iteration)
         read_s = time.perf_counter() - start
@@ -224,13 +284,27 @@ class DiffCheckpointManager:
         kept = self.keeper.chain(scan.last_iteration) if self.keeper is not None else []
         kept_s = time.perf_counter() - start
         chain = recovery.join_tiers(scan, kept, self.keeper.served_by if kept else "")
+        self._scanned = (base_iteration, scan, chain, read_s, kept_s)
+        return scan, chain, read_s, kept_s
+
+    def recover(
+        self, base_iteration: int, base_load_s: float = 0.0
+    ) -> tuple[int, int | None, int | None]:
+        """Replay the differentials after the loaded base. All ranks, collectively.
+
+        ``base_load_s`` (how long loading the base took) feeds the auto-tuner. Returns
+        ``(iteration, scheduler_steps, consumed_samples)``; the last two are ``None`` when there
+        was nothing to replay (the base's own values stand).
+        """
+        since_process_start = _seconds_since_process_start()
+        scan, chain, read_s, kept_s = self._chain(base_iteration)
+        self._scanned = None
         target = recovery.agree_on_iteration(chain)
-        records = [r for r in chain.records if r.iteration <= target]
         logger.info(
             "recovery: base at iteration %d, %d differential(s) to replay, recovering to "
             "iteration %d (this rank's log reaches %d%s): %s",
             base_iteration,
-            len(records),
+            sum(1 for r in chain.records if r.iteration <= target),
             target,
             scan.last_iteration,
             ""
@@ -238,13 +312,34 @@ class DiffCheckpointManager:
             else f", its keeper {chain.last_iteration} in {kept_s * 1000:.1f} ms",
             chain.served(target),
         )
+        last = self._replay_chain(
+            scan, chain, base_iteration, target, base_load_s, since_process_start, read_s
+        )
+        if last is None:
+            return target, None, None
+        return target, last.scalars["scheduler_steps"], last.scalars["consumed_samples"]
+
+    def _replay_chain(
+        self,
+        scan: Any,
+        chain: recovery.TieredChain,
+        after: int,
+        target: int,
+        base_load_s: float,
+        since_process_start: float,
+        read_s: float | None = None,
+    ) -> DiffRecord | None:
+        """Replay ``chain``'s records after ``after`` up to ``target``, then make storage's log
+        end at ``target`` with every iteration the chain holds in it (those only a keeper held
+        written back). The last record replayed, or ``None``. All ranks, collectively."""
+        records = [r for r in chain.records if after < r.iteration <= target]
         start = time.perf_counter()
         targets = optimizer_step.replay_targets(self.optimizer)
         last = recovery.replay(targets, records, self.rng_tracker)
         replay_s = time.perf_counter() - start
         logger.info(
-            "recovery: read the diff log in %.3f s, replayed %d differential(s) in %.3f s",
-            read_s,
+            "recovery: %sreplayed %d differential(s) in %.3f s",
+            "" if read_s is None else f"read the diff log in {read_s:.3f} s, ",
             len(records),
             replay_s,
         )
@@ -259,11 +354,9 @@ class DiffCheckpointManager:
             self.rank_dir,
             self.identity,
             self._compressor_name(),
-            [r for r in records if r.iteration > scan.last_iteration],
+            [r for r in chain.records if scan.last_iteration < r.iteration <= target],
         )
-        if last is None:
-            return target, None, None
-        return target, last.scalars["scheduler_steps"], last.scalars["consumed_samples"]
+        return last
 
     def _compressor_name(self) -> str:
         return make_compressor(self.config.compressor, self.config.topk_ratio).name
@@ -418,6 +511,7 @@ class DiffCheckpointManager:
         collective that agrees on a new F and B.
         """
         cost = self.strategy.end_iteration(iteration, scheduler_steps, consumed_samples)
+        self._ended = (iteration, scheduler_steps, consumed_samples)
         failpoints.reach("iteration-end")
         self.last_diff_seconds = cost.path_s
         if self.tuner is None:
@@ -505,8 +599,40 @@ class DiffCheckpointManager:
         except full_storage.SAVE_FAILURES as exc:
             self.base_failed(iteration, exc)
             return time.perf_counter() - start
+        if self._keep_bases:
+            blocked += self._stage_kept_base(iteration)
         self.on_base_saved(iteration, blocked)
         return blocked
+
+    def _stage_kept_base(self, iteration: int) -> float:
+        """LowDiff under a keeper: the base of ``iteration`` (the training state, before the
+        next step) into the keeper's memory too (:mod:`~megatron_diffckpt.keeper_base`); the
+        seconds it took. Only a base after an iteration this process trained (its counters are
+        the last differential's): a job's starting point is storage's alone."""
+        if self._ended is None or self._ended[0] != iteration:
+            return 0.0
+        start = time.perf_counter()
+        _, steps, consumed = self._ended
+        scalars, tensors = capture_rng(self.rng_tracker)
+        record = DiffRecord(
+            iteration, {"scheduler_steps": steps, "consumed_samples": consumed, **scalars}, tensors
+        )
+        why = keeper_base.stage_base(self.keeper, self._torch_optimizers(), self.residuals, record)
+        seconds = time.perf_counter() - start
+        if why and not self._kept_refused:
+            self._kept_refused = True
+            logger.warning(
+                "the node's keeper did not take the base of iteration %d (%s): a restart loads "
+                "storage's base (%s)",
+                iteration,
+                why,
+                keeper_merger.KEEPER_FLAG_HINT,
+            )
+        elif not why:
+            logger.debug("base of iteration %d kept by the node's keeper in %.3f s", iteration,
+                         seconds)  # fmt: skip
+            failpoints.reach("base-kept")
+        return seconds
 
     def _base_fits(self, iteration: int) -> bool:
         """Whether a base of ``iteration`` fits in the space left under ``--save`` (see

@@ -14,6 +14,7 @@ Any process, any thread; nothing here talks to another process.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -49,20 +50,21 @@ def map_tensor(spec: dict[str, Any]) -> torch.Tensor:
 class SharedArena:
     """Tensors this rank creates in files of the keeper's shared-memory folder.
 
-    File names carry the process id and a counter, so a restarted rank never maps its
-    predecessor's files; the keeper removes a file when it stops using it, and the whole
-    folder when it stops.
+    File names carry the process id and a counter of the process (shared by all its arenas),
+    so a restarted rank never maps its predecessor's files and no two arenas of one process
+    name the same file; the keeper removes a file when it stops using it, and the whole folder
+    when it stops.
     """
+
+    _count = itertools.count(1)
 
     def __init__(self, folder: str):
         self.folder = folder
-        self._count = 0
         self.specs: dict[int, dict[str, Any]] = {}  # id(tensor) -> its spec
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        self._count += 1
         spec = {
-            "file": os.path.join(self.folder, f"{os.getpid()}-{self._count}"),
+            "file": os.path.join(self.folder, f"{os.getpid()}-{next(self._count)}"),
             "shape": list(shape),
             "dtype": str(dtype).removeprefix("torch."),
         }
@@ -161,10 +163,11 @@ def files_of(description: list[Any], slots: list[dict[str, Any]]) -> set[str]:
 
 
 def nbytes_of(description: list[Any], slots: list[dict[str, Any]]) -> int:
-    return sum(_nbytes(s) for s in specs_of(description, slots))
+    return sum(tensor_nbytes(s) for s in specs_of(description, slots))
 
 
-def _nbytes(spec: dict[str, Any]) -> int:
+def tensor_nbytes(spec: dict[str, Any]) -> int:
+    """The bytes of the tensor a spec names."""
     return math.prod(spec["shape"]) * _DTYPES[spec["dtype"]].itemsize
 
 

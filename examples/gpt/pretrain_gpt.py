@@ -429,7 +429,7 @@ def train(args) -> int:
             parallel_state.get_data_parallel_rank(),
         )
         manager = DiffCheckpointManager(
-            args.diffckpt, args.save, optimizer, get_cuda_rng_tracker(), coords, [model]
+            args.diffckpt, args.save, optimizer, get_cuda_rng_tracker(), coords, [model], residuals
         )
 
     iteration, consumed = 0, 0
@@ -442,16 +442,18 @@ def train(args) -> int:
         )
         args.load = None
     load_start = time.perf_counter()
-    kept = manager.recover_from_keeper() if args.load is not None and manager else None
-    if kept is not None:  # the node keepers' LowDiff+ replicas: no base read, nothing replayed
+    stored = find_latest_iteration(args.load) if args.load and has_tracker(args.load) else None
+    kept = manager.recover_from_keeper(stored) if args.load is not None and manager else None
+    if kept is not None:  # from the node keepers' memory: no base read from storage
         iteration, scheduler_steps, consumed = kept
         scheduler.num_steps = scheduler_steps
         scheduler.step(increment=0)  # the LR the next iteration uses
-        saved = find_latest_iteration(args.load) if has_tracker(args.load) else 0  # newest base
+        saved = stored or 0  # storage's newest base
         logger.info(
-            "recovered to iteration %d in %.3f s (from the node keepers' replicas)",
+            "recovered to iteration %d in %.3f s (from the node keepers' %s)",
             iteration,
             time.perf_counter() - load_start,
+            "replicas" if args.diffckpt.mode == "lowdiff-plus" else "newest base",
         )
     elif args.load is not None:
         if args.ckpt_format == "torch_dcp":

@@ -183,13 +183,20 @@ class _Run:
             mpu.get_data_parallel_rank(),
         )
         self.manager = DiffCheckpointManager(
-            self.config, args.save, optimizer, get_cuda_rng_tracker(), coords, model
+            self.config,
+            args.save,
+            optimizer,
+            get_cuda_rng_tracker(),
+            coords,
+            model,
+            self.exchange.residuals if self.exchange is not None else None,
         )
         if loaded:
             base = self.base_loaded = args.iteration
-            # With LowDiff+'s replica in the node keepers, their replicas (newer than the base
-            # Megatron-LM loaded) replace its state; else the differentials are replayed.
-            kept = self.manager.recover_from_keeper()
+            # With the node keepers: LowDiff+'s replicas, or LowDiff's newest base when it is
+            # newer than the one Megatron-LM loaded, replace its state; else the differentials
+            # are replayed onto it.
+            kept = self.manager.recover_from_keeper(base, loaded=True)
             iteration, steps, consumed = (
                 kept if kept is not None else self.manager.recover(base, base_load_s=setup_s)
             )

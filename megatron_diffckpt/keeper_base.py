@@ -1,0 +1,298 @@
+"""LowDiff's newest base in the node's keeper: a restart that reads no base from storage.
+
+With a keeper (:mod:`~megatron_diffckpt.keeper`), LowDiff's differentials after the newest
+published base outlive the ranks, but a restart still loaded that base from storage before
+replaying them. Here every base a rank saves is also staged in its keeper's memory:
+
+1. **Stage** (:func:`stage_base`, the training thread, right after the base's save call, before
+   the next step changes the state): the rank copies its optimizer shard (main parameters, Adam
+   moments and steps: :func:`~megatron_diffckpt.shared_replica.describe`), its error-feedback
+   residuals (top-k exchange) and the base iteration's record (scheduler steps, consumed
+   samples, RNG states) into new files of the keeper's shared-memory folder and hands their
+   description over (``base_put``). The keeper's reply is the acknowledgement; the files are the
+   keeper's from then on. One memcpy of the shard, every F iterations.
+2. **Held** (:class:`KeptBases`, the keeper): per rank its newest base, and the newest at or
+   below the base it reported published (while a newer one is being saved, a rank killed before
+   staging it still shares the published one with the others): at most two. Their bytes count
+   against the keeper's cap; a base that does not fit is refused (the rank says so once and
+   recovers from storage's base).
+3. **Recovery** (:func:`agree_on_kept_base`, all ranks): B = the newest base every rank's keeper
+   holds, used when it is at least storage's newest base S (newer than S when the training loop
+   has already loaded S) and every rank's chain (storage's diff log from S, then the keeper's
+   records) reaches B, so that storage's log covers every iteration the job trains past (the
+   records between S and B are written back as for any recovery); else every rank loads S from
+   storage as without it. The rank maps the keeper's files, copies them into its optimizer and
+   residuals, and replays its chain from B on (:meth:`~megatron_diffckpt.manager.
+   DiffCheckpointManager.recover_from_keeper`).
+
+Bases are not copied to the next node's keeper: a node lost whole comes back with an empty
+keeper, so its ranks hold no base, and every rank loads storage's (the peer's differentials
+still serve the replay, :mod:`~megatron_diffckpt.keeper_peers`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_diffckpt.replica_merger import _replica_of
+from megatron_diffckpt.shared_replica import (
+    SharedArena,
+    build,
+    describe,
+    files_of,
+    map_tensor,
+    nbytes_of,
+    specs_of,
+    tensor_nbytes,
+)
+from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KeptBase:
+    """One rank's base in the keeper: tensors in files of its shared-memory folder."""
+
+    iteration: int
+    optimizers: list[Any]
+    """:func:`~megatron_diffckpt.shared_replica.describe` of the rank's torch optimizers."""
+    residuals: dict[str, dict[str, Any]]
+    """Error-feedback residual per bucket: its tensor spec."""
+    record: bytes
+    """The base iteration's counters and RNG states (one encoded record)."""
+    files: set[str] = field(default_factory=set)
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        slots = [self.residuals] if self.residuals else []
+        self.files = files_of(self.optimizers, slots)
+        self.nbytes = nbytes_of(self.optimizers, slots)
+
+
+class KeptBases:
+    """Every rank's kept bases in one keeper (``state``: the
+    :class:`~megatron_diffckpt.keeper.KeeperState` whose cap they share; ``folder``: the
+    keeper's shared-memory folder). Thread-safe."""
+
+    def __init__(self, state: Any, folder: str):
+        self.state = state
+        self.folder = folder
+        self._bases: dict[tuple, list[KeptBase]] = {}
+        self._published: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+
+    def handle(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
+        """One ``base_*`` request; the reply (errors are replies)."""
+        try:
+            if op == "base_put":
+                return self._put(key, req, bytes(payload)), b""
+            if op == "base_state":
+                with self._lock:
+                    held = list(self._bases.get(key, []))
+                rows = [
+                    {"iteration": b.iteration, "optimizers": b.optimizers,
+                     "residuals": b.residuals, "record": len(b.record)}
+                    for b in held
+                ]  # fmt: skip
+                return {"bases": rows}, b"".join(b.record for b in held)
+            return {"error": f"unknown request {op!r}"}, b""
+        except (ValueError, KeyError, TypeError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}, b""
+
+    def _put(self, key: tuple, req: dict, record: bytes) -> dict:
+        base = KeptBase(int(req["iteration"]), req["optimizers"], req["residuals"], record)
+        outside = [f for f in base.files if os.path.dirname(f) != self.folder]
+        if outside:
+            raise ValueError(f"a base's files must be in the keeper's folder, not {outside[0]}")
+        missing = _missing(base)
+        if missing:
+            raise ValueError(f"a base's file is missing or short: {missing}")
+        with self._lock:
+            others = {f for b in self._bases.get(key, []) for f in b.files}
+            if others & base.files:
+                raise ValueError("a base's files are those of a base the keeper holds already")
+            held = [b for b in self._bases.get(key, []) if b.iteration != base.iteration]
+            dropped = [b for b in self._bases.get(key, []) if b.iteration == base.iteration]
+            kept, pruned = _prune([*held, base], self._published.get(key, -1))
+            released = sum(b.nbytes for b in (*dropped, *pruned))
+            room = self.state.reserve(base.nbytes, released)
+            if not room[0]:
+                self._remove_files(base.files)
+                return {"error": room[1].replace("a replica", "a base")}
+            self._bases[key] = kept
+            for b in (*dropped, *pruned):
+                self._remove_files(b.files)
+        return {"ok": True, "held": [b.iteration for b in kept]}
+
+    def published(self, key: tuple, base: int) -> None:
+        """``base`` is published for the rank ``key``: drop what is older than both its newest
+        kept base and the newest kept at or below ``base``."""
+        with self._lock:
+            self._published[key] = max(base, self._published.get(key, -1))
+            kept, pruned = _prune(self._bases.get(key, []), self._published[key])
+            if not pruned:
+                return
+            self._bases[key] = kept
+            self.state.reserve(0, sum(b.nbytes for b in pruned))
+            for b in pruned:
+                self._remove_files(b.files)
+
+    def _remove_files(self, files: set[str]) -> None:
+        for path in files:
+            if os.path.dirname(path) == self.folder:  # never outside the keeper's own folder
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+
+    def stats(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [
+                {**dict(key), "iteration": b.iteration, "bytes": b.nbytes}
+                for key, bases in self._bases.items()
+                for b in bases
+            ]
+
+
+def _missing(base: KeptBase) -> str:
+    """A file of ``base`` that is absent or shorter than its tensor (``""``: none)."""
+    slots = [base.residuals] if base.residuals else []
+    for spec in specs_of(base.optimizers, slots):
+        if "file" not in spec:
+            continue
+        try:
+            if os.path.getsize(spec["file"]) < tensor_nbytes(spec):
+                return spec["file"]
+        except OSError:
+            return spec["file"]
+    return ""
+
+
+def _prune(bases: list[KeptBase], published: int) -> tuple[list[KeptBase], list[KeptBase]]:
+    """``(kept, dropped)``: the newest base and the newest at or below ``published`` are kept."""
+    if not bases:
+        return [], []
+    bases = sorted(bases, key=lambda b: b.iteration)
+    keep = {bases[-1].iteration}
+    below = [b.iteration for b in bases if b.iteration <= published]
+    if below:
+        keep.add(below[-1])
+    return [b for b in bases if b.iteration in keep], [b for b in bases if b.iteration not in keep]
+
+
+# --------------------------------------------------------------------- the rank's side
+def stage_base(
+    client: Any,
+    torch_optimizers: list[torch.optim.Optimizer | None],
+    residuals: Any,
+    record: DiffRecord,
+) -> str:
+    """Copy this rank's state at ``record.iteration`` (the optimizer shard, the residuals) into
+    its keeper's shared memory and hand it over (``residuals``: the error-feedback residuals,
+    ``None`` with the dense exchange). Returns ``""`` once the keeper holds it, else
+    why not. The training thread, between the base's save and the next step."""
+    arena = SharedArena(client.shm_folder())
+    try:
+        optimizers = [
+            None if o is None else _replica_of(o, arena.copy, prefix=f"o{i}.")
+            for i, o in enumerate(torch_optimizers)
+        ]
+        request = {
+            "op": "base_put",
+            "iteration": record.iteration,
+            "optimizers": describe(optimizers, arena.spec),
+            "residuals": {
+                k: arena.spec(arena.copy(v))
+                for k, v in (residuals.tensors() if residuals is not None else {}).items()
+            },
+        }
+        reply = client.call(request, encode_record(record))
+    except BaseException:
+        _remove(arena)
+        raise
+    if reply is None:
+        _remove(arena)
+        return f"the keeper is gone ({client.lost})"
+    if "error" in reply[0]:
+        return reply[0]["error"]  # the keeper removed the files
+    arena.specs.clear()  # the keeper's now
+    return ""
+
+
+def _remove(arena: SharedArena) -> None:
+    for spec in arena.specs.values():
+        try:
+            os.remove(spec["file"])
+        except FileNotFoundError:
+            pass
+    arena.specs.clear()
+
+
+@dataclass
+class OfferedBases:
+    """What a rank's keeper holds for it: base iteration -> (its description, its record)."""
+
+    bases: dict[int, tuple[dict[str, Any], DiffRecord]]
+
+    @property
+    def newest(self) -> int:
+        return max(self.bases, default=-1)
+
+
+def offered_bases(client: Any) -> OfferedBases:
+    """The bases this rank's keeper holds for it (none without a keeper). Any rank."""
+    reply = client.call({"op": "base_state"}) if client is not None else None
+    if reply is None or "error" in reply[0]:
+        return OfferedBases({})
+    records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
+    offered = {}
+    for row in reply[0]["bases"]:
+        lost = _missing(KeptBase(row["iteration"], row["optimizers"], row["residuals"], b""))
+        if lost:  # never mapped: mapping a missing file would create it, zeroed
+            logger.warning("keeper: the base of iteration %d lost a file (%s)", row["iteration"],
+                           lost)  # fmt: skip
+        elif row["iteration"] in records:
+            offered[row["iteration"]] = (row, records[row["iteration"]])
+    return OfferedBases(offered)
+
+
+def agree_on_kept_base(
+    offered: OfferedBases, storage_base: int, chain_end: int, newer: bool, all_reduce_min: Any
+) -> tuple[int, int] | None:
+    """``(B, T)``: the base every rank recovers from its keeper (see the module doc) and the
+    iteration every rank's chain reaches; ``None``: storage's base. ``chain_end``: the last
+    iteration this rank's chain reaches from ``storage_base``; ``newer``: the training loop
+    loaded ``storage_base`` already (a kept base must be newer). All ranks, collectively (two
+    all-reduces)."""
+    base, reach = all_reduce_min([offered.newest, chain_end])
+    usable = (
+        base in offered.bases
+        and (base > storage_base if newer else base >= storage_base)
+        and reach >= base
+    )
+    return (base, reach) if all_reduce_min([int(usable)])[0] else None
+
+
+def load_kept_base(
+    row: dict[str, Any],
+    torch_optimizers: list[torch.optim.Optimizer | None],
+    residuals: Any,
+) -> float:
+    """Copy the kept base ``row`` describes into the training ``torch_optimizers`` and the
+    error-feedback ``residuals`` (``None``: dense exchange); the seconds it took. Any rank."""
+    from megatron_diffckpt.keeper_merger import load_replica
+
+    start = time.perf_counter()
+    load_replica(torch_optimizers, build(row["optimizers"]))
+    if residuals is not None:
+        residuals.load_state_dict({k: map_tensor(s) for k, s in row["residuals"].items()})
+    return time.perf_counter() - start

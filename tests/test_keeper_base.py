@@ -1,0 +1,266 @@
+"""LowDiff's newest base in the node's keeper: staged, held and dropped by a real keeper process
+bit for bit, refused over the cap; the ranks' agreement on the base; and real jobs under the
+node launcher whose ranks, SIGKILLed, recover from the keepers' base without reading storage's
+(example loop) or from a base newer than the one storage published (Megatron-LM-free, async
+saves), ending ``torch.equal`` to an uninterrupted run."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+from launch import assert_same_state, load_dumps, run_cli
+from test_keeper import ME, start_keeper
+from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
+
+from megatron_diffckpt import keeper_base
+from megatron_diffckpt.exchange import ErrorFeedbackResiduals
+from megatron_diffckpt.keeper import KeeperClient, query, stop
+from megatron_diffckpt.storage.format import DiffRecord
+
+
+def _trained(n: int = 1000, steps: int = 3, seed: int = 0) -> torch.optim.AdamW:
+    """A torch AdamW over two parameters, stepped ``steps`` times (state created)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for _ in range(2)]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(n, generator=g)
+        opt.step()
+    return opt
+
+
+def _residuals(n: int = 500) -> ErrorFeedbackResiduals:
+    residuals = ErrorFeedbackResiduals()
+    residuals.get("bucket0", torch.zeros(n)).copy_(torch.arange(n, dtype=torch.float32))
+    return residuals
+
+
+def _record(iteration: int) -> DiffRecord:
+    scalars = {"scheduler_steps": iteration, "consumed_samples": 8 * iteration}
+    return DiffRecord(iteration, scalars, {"rng.torch": torch.get_rng_state()})
+
+
+def _assert_same_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    for pa, pb in zip(a.param_groups[0]["params"], b.param_groups[0]["params"], strict=True):
+        assert torch.equal(pa, pb)
+        assert a.state[pa].keys() == b.state[pb].keys()
+        for k, v in a.state[pa].items():
+            assert torch.equal(v, b.state[pb][k]), k
+
+
+def test_a_staged_base_is_served_bit_for_bit_and_dropped_once_a_newer_one_is_published(
+    tmp_path,
+):
+    sock, shm = str(tmp_path / "keeper.sock"), tmp_path / "shm"
+    proc = start_keeper(sock, "--shm-dir", str(shm))
+    try:
+        rank = KeeperClient(sock, ME)
+        train, residuals = _trained(), _residuals()
+        assert keeper_base.stage_base(rank, [train], residuals, _record(5)) == ""
+        rank.published(5)
+        before = {f.name for f in shm.iterdir()}
+        for p in train.param_groups[0]["params"]:  # training goes on: the keeper's copy stays
+            p.grad = torch.ones_like(p)
+        train.step()
+        assert keeper_base.stage_base(rank, [train], residuals, _record(10)) == ""
+        rank.close()
+
+        # A new attempt's client (the staging one is gone) gets both: 10 is not published
+        # yet, and a rank killed before staging it shares only 5 with the others.
+        restarted = KeeperClient(sock, ME)
+        offered = keeper_base.offered_bases(restarted)
+        assert sorted(offered.bases) == [5, 10] and offered.newest == 10
+        row, record = offered.bases[10]
+        assert record.scalars["consumed_samples"] == 80
+        fresh = _trained(seed=1)
+        into = ErrorFeedbackResiduals()
+        keeper_base.load_kept_base(row, [fresh], into)
+        _assert_same_optimizer(train, fresh)
+        assert torch.equal(into.tensors()["bucket0"], residuals.tensors()["bucket0"])
+        shown = run_cli("inspect", str(tmp_path), "--keeper", sock).stdout
+        assert "rank_0_0_1: LowDiff base of iteration 10" in shown, shown
+
+        restarted.published(10)
+        offered = keeper_base.offered_bases(restarted)
+        assert sorted(offered.bases) == [10]
+        after = {f.name for f in shm.iterdir()}
+        assert after and not before & after  # base 5's files are gone, base 10's are not
+        again = _trained(seed=2)
+        keeper_base.load_kept_base(offered.bases[10][0], [again], None)
+        _assert_same_optimizer(train, again)
+        held = query(sock)
+        assert held["reserved"] == sum(b["bytes"] for b in held["bases"]) > 0
+    finally:
+        stop(sock)
+        proc.wait(30)
+
+
+def test_a_base_over_the_cap_is_refused_and_leaves_no_file(tmp_path):
+    sock, shm = str(tmp_path / "keeper.sock"), tmp_path / "shm"
+    proc = start_keeper(sock, "--shm-dir", str(shm))  # 8 MiB
+    try:
+        rank = KeeperClient(sock, ME)
+        why = keeper_base.stage_base(rank, [_trained(n=400_000)], None, _record(5))
+        assert "does not fit the cap" in why, why
+        assert not list(shm.iterdir())
+        assert keeper_base.offered_bases(rank).bases == {}
+        assert query(sock)["reserved"] == 0
+    finally:
+        stop(sock)
+        proc.wait(30)
+
+
+class _TwoRanks:
+    """Two threads as two ranks: ``all_reduce_min`` of each call across both."""
+
+    def __init__(self):
+        self._barrier = threading.Barrier(2)
+        self._values: list[list[int]] = [[], []]
+
+    def run(self, fn):
+        out = [None, None]
+
+        def rank(r):
+            def all_reduce_min(values):
+                self._values[r] = values
+                self._barrier.wait()
+                result = [min(a, b) for a, b in zip(*self._values, strict=True)]
+                self._barrier.wait()
+                return result
+
+            out[r] = fn(r, all_reduce_min)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+
+def _offer(*iterations: int) -> keeper_base.OfferedBases:
+    return keeper_base.OfferedBases({i: ({}, _record(i)) for i in iterations})
+
+
+@pytest.mark.parametrize(
+    "held, storage, chain_end, loaded, expected",
+    [
+        # rank 1 died before staging 10: the published 5, which both hold
+        (((5, 10), (5,)), 5, (12, 12), False, (5, 12)),
+        (((5, 10), (5,)), 5, (12, 12), True, None),  # the loop loaded 5 already
+        (((5, 10), (10,)), 5, (13, 12), True, (10, 12)),  # newer than storage's
+        (((5, 10), (10,)), 5, (13, 9), False, None),  # rank 1's chain cannot reach 10
+        (((10,), ()), 10, (12, 12), False, None),  # rank 1's keeper holds none
+        (((10,), (10,)), 15, (17, 17), False, None),  # storage has a newer base
+    ],
+)
+def test_the_ranks_agree_on_the_newest_base_every_keeper_holds(
+    held, storage, chain_end, loaded, expected
+):
+    def agree(r, all_reduce_min):
+        return keeper_base.agree_on_kept_base(
+            _offer(*held[r]), storage, chain_end[r], loaded, all_reduce_min
+        )
+
+    assert _TwoRanks().run(agree) == [expected, expected]
+
+
+@pytest.mark.distributed
+def test_ranks_killed_recover_from_the_keepers_base_without_reading_storage(tmp_path):
+    """Bases every 5 (synchronous), batches of 8: rank 1 dies after handing iteration 12 over.
+    The restarted ranks take base 10 from their keepers (storage's is not read) and replay 11-12
+    from the keepers' records; the run ends equal to an uninterrupted one."""
+    common, _ = _keeper_job(tmp_path, total=16, full_interval=5)
+    ckpt = tmp_path / "ckpt"
+    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
+    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5"]
+    diff += ["--dump-state", str(tmp_path / "resumed")]
+    proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
+    log = _finish(proc, lines)
+    assert "failpoint iteration-end #12: SIGKILL of rank 1" in log
+    restart = log[log.index("failpoint iteration-end") :]
+    assert re.search(
+        r"recovery: base of iteration 10 from the node's keeper in [\d.]+ s \(storage's newest "
+        r"base: 10, not read\)",
+        restart,
+    ), restart[-3000:]
+    assert "loaded checkpoint from" not in restart
+    assert "replayed 2 differential(s)" in restart
+    assert re.search(r"recovered to iteration 12 in [\d.]+ s \(from the node keepers' newest", log)
+    _assert_ends_as_straight(tmp_path, 12)
+
+
+@pytest.mark.distributed
+def test_a_base_the_keepers_hold_but_storage_never_published_is_recovered(tmp_path):
+    """Asynchronous bases every 5: rank 1 dies right after its keeper acknowledged base 10, before
+    storage published it. The restart finds storage's newest base older than the keepers' 10:
+    it recovers 10 with nothing replayed and reads no base from storage, writes storage's log
+    up to 10 (a later restart from storage alone gets there too), and ends equal to an
+    uninterrupted run."""
+    common, _ = _keeper_job(tmp_path, total=14, full_interval=5)
+    ckpt = tmp_path / "ckpt"
+    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
+    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5", "--async-save"]
+    diff += ["--dump-state", str(tmp_path / "resumed")]
+    proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "base-kept:2@1"})
+    log = _finish(proc, lines)
+    assert "failpoint base-kept #2: SIGKILL of rank 1" in log
+    restart = log[log.index("failpoint base-kept") :]
+    got = re.search(
+        r"recovery: base of iteration (\d+) from the node's keeper in [\d.]+ s \(storage's "
+        r"newest base: (\d+), not read\)",
+        restart,
+    )
+    assert got is not None, restart[-3000:]
+    # Base 10 is never published (the killed rank could not finish it); rank 0 staged it too
+    # unless torchrun stopped it first (then both share the published base 5).
+    kept, stored = int(got[1]), int(got[2])
+    assert kept in (5, 10) and stored <= kept, (kept, stored)
+    assert f"replayed {10 - kept} differential(s)" in restart
+    assert "loaded checkpoint from" not in restart
+    assert re.search(r"recovered to iteration 10 in", restart), restart[-3000:]
+    # storage's log reaches 10 from its newest base: a restart from storage alone gets there too
+    for rank_dir in (ckpt / "diffckpt").glob("rank_*"):
+        spans = [re.fullmatch(r"seg_(\d+)_(\d+)\.bin", f.name) for f in rank_dir.glob("seg_*")]
+        covered = {i for m in spans if m for i in range(int(m[1]), int(m[2]) + 1)}
+        assert set(range(stored + 1, 11)) <= covered, (rank_dir.name, sorted(covered))
+    _assert_ends_as_straight(tmp_path, 10)
+
+
+@pytest.mark.distributed
+def test_top_k_residuals_come_back_from_the_keepers_base_as_from_storages(tmp_path):
+    """The top-k exchange: a base holds every rank's error-feedback residuals, which no
+    differential rebuilds. The same fault (rank 1 dies after handing iteration 12 over, bases
+    every 5) recovered once from the keepers' base 10 and once from storage's
+    (``--diffckpt-keeper-no-base``) ends in the same state, ``torch.equal``, and the same
+    losses: the keeper gave back the residuals storage's base holds."""
+    common, _ = _keeper_job(tmp_path, total=16, full_interval=5)
+    ends = {}
+    for name, extra in (("keeper", []), ("storage", ["--diffckpt-keeper-no-base"])):
+        ckpt = tmp_path / name
+        diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-compressor", "topk"]
+        diff += ["--diffckpt-topk-ratio", "0.05", "--diffckpt-full-interval", "5"]
+        diff += [
+            "--save",
+            str(ckpt),
+            "--load",
+            str(ckpt),
+            "--dump-state",
+            str(tmp_path / f"{name}-end"),
+        ]
+        proc, lines = _launch(
+            [*common, *diff, *extra], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"}
+        )
+        restart = _finish(proc, lines).split("failpoint iteration-end #12")[1]
+        from_keeper = "recovery: base of iteration 10 from the node's keeper" in restart
+        assert from_keeper == (name == "keeper"), restart[-3000:]
+        assert ("loaded checkpoint from" in restart) == (name == "storage")
+        assert re.search(r"recovered to iteration 12 in", restart), restart[-3000:]
+        ends[name] = load_dumps(tmp_path / f"{name}-end", 2)
+    for rank in range(2):
+        assert ends["keeper"][rank]["losses"] == ends["storage"][rank]["losses"]
+        assert_same_state(ends["storage"][rank], ends["keeper"][rank], rank)
