@@ -1,5 +1,7 @@
-"""Recovery by tier at about 13M parameters: from the node keepers' LowDiff+ replicas against
-storage (base + dense diff log), and what the keepers add to a training iteration.
+"""Recovery by tier at about 13M parameters: from the node keepers' memory against storage,
+for LowDiff+ (the keepers' replicas against base + dense diff log) and LowDiff (the keepers'
+newest base and differentials against base + diff log), and what the keepers add to a
+training iteration.
 
 Run (from the repository root)::
 
@@ -15,15 +17,24 @@ One invocation; the configurations run interleaved round by round (the order rot
 - ``plus_log``: LowDiff+ in the ranks with the dense diff log (today's per-iteration
   recoverability from storage);
 - ``plus_keeper``: LowDiff+ with its replica and merger in the node's keeper
-  (``--diffckpt-plus-keeper-replica`` under the node launcher).
+  (``--diffckpt-plus-keeper-replica`` under the node launcher);
+- ``lowdiff``: LowDiff (top-k exchange) with storage only, as without a keeper;
+- ``lowdiff_keeper``: LowDiff under the node launcher: every differential and every base also
+  in the node's keeper.
 
 In ``plus_log`` and ``plus_keeper``, rank 1 is SIGKILLed before it hands iteration ``KILL_AT``
 over (fail point ``plus-hand-over``); torchrun restarts both ranks, which recover the newest
 iteration every rank has, ``KILL_AT - 1``: ``plus_log`` from storage (the base of
 ``BASE_INTERVAL`` loaded, the differentials after it read and replayed; the files are those the
 killed job just wrote, so the page cache holds them: storage at its fastest), ``plus_keeper``
-from the keepers (nothing read from storage, nothing replayed). The recovery time is the
-example's own ``recovered to iteration T in X s``: from before loading to ready to train.
+from the keepers (nothing read from storage, nothing replayed). In ``lowdiff`` and
+``lowdiff_keeper`` rank 1 is SIGKILLed once it handed iteration ``KILL_AT - 1`` over (fail point
+``iteration-end``), so both recover the same iteration: ``lowdiff`` from storage (base
+``BASE_INTERVAL`` loaded, its differentials read and replayed), ``lowdiff_keeper`` from the
+keepers (their base of ``BASE_INTERVAL``, their differentials replayed; nothing read from
+storage; ``lowdiff`` reaches ``KILL_AT - 1`` only if the writer had made it durable, else
+one iteration less: the iteration the keepers save). The recovery time is the example's own
+``recovered to iteration T in X s``: from before loading to ready to train.
 
 Per-iteration time: the median over the first attempt's iterations after ``WARMUP``, without
 those that write a base; per configuration, the median over rounds. Results go to
@@ -47,7 +58,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lowdiff_overhead import RESULTS, SIZES, WARMUP, interleaved, iteration_times, run  # noqa: E402
+from lowdiff_overhead import (  # noqa: E402
+    RESULTS,
+    SIZES,
+    TOPK,
+    WARMUP,
+    interleaved,
+    iteration_times,
+    run,
+)
 
 BASE_INTERVAL = 10
 KILL_AT = 19  # rank 1 dies before handing this iteration over: both tiers recover KILL_AT - 1
@@ -59,20 +78,29 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
     """name -> (pretrain_gpt flags, under the node launcher with a keeper)."""
     plus = ["--diffckpt-mode", "lowdiff-plus", "--save", ckpt, "--load", ckpt]
     plus += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
+    lowdiff = [*TOPK, "--diffckpt-mode", "lowdiff", "--save", ckpt, "--load", ckpt]
+    lowdiff += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
     return {
         "none": ([], False),
         "plus_bases": ([*plus, "--diffckpt-plus-no-diff-log"], False),
         "plus_log": (plus, False),
         "plus_keeper": ([*plus, "--diffckpt-plus-keeper-replica"], True),
+        "lowdiff": (lowdiff, False),
+        "lowdiff_keeper": (lowdiff, True),
     }
 
 
-KILLED = ("plus_log", "plus_keeper")
+KILLED = {  # configuration -> the fail point that kills rank 1
+    "plus_log": f"plus-hand-over:{KILL_AT}@1",
+    "plus_keeper": f"plus-hand-over:{KILL_AT}@1",
+    "lowdiff": f"iteration-end:{KILL_AT - 1}@1",
+    "lowdiff_keeper": f"iteration-end:{KILL_AT - 1}@1",
+}
 
 
 def _first_attempt(text: str) -> str:
     """The log up to the restarted attempt's recovery (the whole log when nothing restarted)."""
-    cut = text.find("failpoint plus-hand-over")
+    cut = text.find("failpoint ")
     return text if cut < 0 else text[:cut]
 
 
@@ -82,12 +110,17 @@ def _recovery(text: str) -> dict:
         raise SystemExit("no recovery in the restarted attempt's log")
     out = {"iteration": int(m[1]), "seconds": float(m[2])}
     load = re.search(r"loaded checkpoint from .* in ([\d.]+) s", text)
-    replay = re.search(r"read the diff log in ([\d.]+) s, replayed (\d+) differential\(s\) in "
-                       r"([\d.]+) s", text)  # fmt: skip
+    kept = re.search(r"recovery: base of iteration \d+ from the node's keeper in ([\d.]+) s", text)
+    replay = re.search(r"recovery: (?:read the diff log in ([\d.]+) s, )?replayed (\d+) "
+                       r"differential\(s\) in ([\d.]+) s", text)  # fmt: skip
     if load is not None:
         out["base_load_s"] = float(load[1])
+    if kept is not None:
+        out["kept_base_s"] = float(kept[1])
     if replay is not None:
-        out.update(log_read_s=float(replay[1]), replayed=int(replay[2]), replay_s=float(replay[3]))
+        if replay[1] is not None:
+            out["log_read_s"] = float(replay[1])
+        out.update(replayed=int(replay[2]), replay_s=float(replay[3]))
     return out
 
 
@@ -98,7 +131,7 @@ def measure(work: Path, size: str, repeats: int) -> dict:
         ckpt = work / f"ckpt_{name}"
         shutil.rmtree(ckpt, ignore_errors=True)
         flags, keeper = configs(str(ckpt))[name]
-        env = {"DIFFCKPT_FAILPOINT": f"plus-hand-over:{KILL_AT}@1"} if name in KILLED else {}
+        env = {"DIFFCKPT_FAILPOINT": KILLED[name]} if name in KILLED else {}
         text, wall = run(
             [*model, "--train-iters", str(TOTAL), *flags],
             work / f"{name}_{round_}.log",
@@ -112,7 +145,7 @@ def measure(work: Path, size: str, repeats: int) -> dict:
         ]
         row = {"iteration_s": statistics.median(window), "iterations": len(window), "wall_s": wall}
         if name in KILLED:
-            row["recovery"] = _recovery(text[text.find("failpoint plus-hand-over") :])
+            row["recovery"] = _recovery(text[text.find("failpoint ") :])
         runs[name].append(row)
         print(f"round {round_} {name}: {row}", flush=True)
     med = {n: statistics.median(r["iteration_s"] for r in rs) for n, rs in runs.items()}
@@ -129,9 +162,17 @@ def measure(work: Path, size: str, repeats: int) -> dict:
             "keeper_over_none": med["plus_keeper"] / med["none"] - 1.0,
             "plus_log_over_none": med["plus_log"] / med["none"] - 1.0,
             "plus_bases_over_none": med["plus_bases"] / med["none"] - 1.0,
+            "lowdiff_storage_over_keeper_recovery": rec["lowdiff"] / rec["lowdiff_keeper"],
+            "lowdiff_keeper_over_lowdiff": med["lowdiff_keeper"] / med["lowdiff"] - 1.0,
+            "lowdiff_over_none": med["lowdiff"] / med["none"] - 1.0,
+            # LowDiff+: the same state from both tiers; LowDiff from storage: the iteration
+            # its writer had made durable (the keepers hold every one handed over)
             "same_state": all(
-                r["recovery"]["iteration"] == KILL_AT - 1 for n in KILLED for r in runs[n]
+                r["recovery"]["iteration"] == KILL_AT - 1
+                for n in ("plus_log", "plus_keeper", "lowdiff_keeper")
+                for r in runs[n]
             ),
+            "lowdiff_storage_recovered": [r["recovery"]["iteration"] for r in runs["lowdiff"]],
         },
     }
 
@@ -161,11 +202,15 @@ def main() -> int:
     out = RESULTS / "keeper_recovery.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     s = result["summary"]
+    rec = result["recovery_s"]
     print(
-        f"recovery: storage {result['recovery_s']['plus_log']:.3f} s, keepers "
-        f"{result['recovery_s']['plus_keeper']:.3f} s ({s['storage_over_keeper_recovery']:.1f}x); "
-        f"iteration: keepers {100 * s['keeper_over_plus_bases']:+.1f}% over LowDiff+ in the "
-        f"ranks (bases only), {100 * s['keeper_over_none']:+.1f}% over none; wrote {out}"
+        f"LowDiff+ recovery: storage {rec['plus_log']:.3f} s, keepers {rec['plus_keeper']:.3f} s "
+        f"({s['storage_over_keeper_recovery']:.1f}x); iteration: keepers "
+        f"{100 * s['keeper_over_plus_bases']:+.1f}% over LowDiff+ in the ranks (bases only), "
+        f"{100 * s['keeper_over_none']:+.1f}% over none\n"
+        f"LowDiff recovery: storage {rec['lowdiff']:.3f} s, keepers {rec['lowdiff_keeper']:.3f} s "
+        f"({s['lowdiff_storage_over_keeper_recovery']:.1f}x); iteration: keepers "
+        f"{100 * s['lowdiff_keeper_over_lowdiff']:+.1f}% over LowDiff without them; wrote {out}"
     )
     return 0
 

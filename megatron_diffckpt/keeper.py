@@ -231,6 +231,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 _send(self.request, {"held": False, "why": "the keeper is stopping"})
             elif op == "put":
                 held, why = state.put(req["identity"], int(req["iteration"]), payload)
+                if held and server.bases is not None:
+                    server.bases.drop_from(_key(req["identity"]), int(req["iteration"]))
                 _send(self.request, {"held": held, "why": why})
                 if held and link is not None and not from_peer:
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)

@@ -4,18 +4,21 @@ With a keeper (:mod:`~megatron_diffckpt.keeper`), LowDiff's differentials after 
 published base outlive the ranks, but a restart still loaded that base from storage before
 replaying them. Here every base a rank saves is also staged in its keeper's memory:
 
-1. **Stage** (:func:`stage_base`, the training thread, right after the base's save call, before
-   the next step changes the state): the rank copies its optimizer shard (main parameters, Adam
-   moments and steps: :func:`~megatron_diffckpt.shared_replica.describe`), its error-feedback
-   residuals (top-k exchange) and the base iteration's record (scheduler steps, consumed
-   samples, RNG states) into new files of the keeper's shared-memory folder and hands their
-   description over (``base_put``). The keeper's reply is the acknowledgement; the files are the
-   keeper's from then on. One memcpy of the shard, every F iterations.
+1. **Stage** (:class:`BaseStager`, right after the base's save call): the rank copies its
+   error-feedback residuals (top-k exchange; the next backward pass changes them) at once, and
+   its optimizer shard (main parameters, Adam moments and steps:
+   :func:`~megatron_diffckpt.shared_replica.describe`) on a thread of its own while the next
+   iteration's forward and backward passes run (the next optimizer step waits for it), into new
+   files of the keeper's shared-memory folder, and hands their description over with the base
+   iteration's record (scheduler steps, consumed samples, RNG states: ``base_put``). The
+   keeper's reply is the acknowledgement; the files are the keeper's from then on. One copy of
+   the shard, every F iterations.
 2. **Held** (:class:`KeptBases`, the keeper): per rank its newest base, and the newest at or
    below the base it reported published (while a newer one is being saved, a rank killed before
    staging it still shares the published one with the others): at most two. Their bytes count
    against the keeper's cap; a base that does not fit is refused (the rank says so once and
-   recovers from storage's base).
+   recovers from storage's base). A rank's differential of iteration i drops its kept bases at
+   or after i: they belong to an attempt that the restart did not recover to.
 3. **Recovery** (:func:`agree_on_kept_base`, all ranks): B = the newest base every rank's keeper
    holds, used when it is at least storage's newest base S (newer than S when the training loop
    has already loaded S) and every rank's chain (storage's diff log from S, then the keeper's
@@ -42,6 +45,7 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt import failpoints
 from megatron_diffckpt.replica_merger import _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
@@ -110,16 +114,21 @@ class KeptBases:
 
     def _put(self, key: tuple, req: dict, record: bytes) -> dict:
         base = KeptBase(int(req["iteration"]), req["optimizers"], req["residuals"], record)
-        outside = [f for f in base.files if os.path.dirname(f) != self.folder]
-        if outside:
-            raise ValueError(f"a base's files must be in the keeper's folder, not {outside[0]}")
-        missing = _missing(base)
-        if missing:
-            raise ValueError(f"a base's file is missing or short: {missing}")
         with self._lock:
             others = {f for b in self._bases.get(key, []) for f in b.files}
-            if others & base.files:
-                raise ValueError("a base's files are those of a base the keeper holds already")
+            outside = [f for f in base.files if os.path.dirname(f) != self.folder]
+            why = (
+                f"a base's files must be in the keeper's folder, not {outside[0]}"
+                if outside
+                else "a base's files are those of a base the keeper holds already"
+                if others & base.files
+                else f"a base's file is missing or short: {_missing(base)}"
+                if _missing(base)
+                else ""
+            )
+            if why:
+                self._remove_files(base.files - others)  # never another base's
+                raise ValueError(why)
             held = [b for b in self._bases.get(key, []) if b.iteration != base.iteration]
             dropped = [b for b in self._bases.get(key, []) if b.iteration == base.iteration]
             kept, pruned = _prune([*held, base], self._published.get(key, -1))
@@ -132,6 +141,18 @@ class KeptBases:
             for b in (*dropped, *pruned):
                 self._remove_files(b.files)
         return {"ok": True, "held": [b.iteration for b in kept]}
+
+    def drop_from(self, key: tuple, iteration: int) -> None:
+        """The rank ``key`` trains ``iteration`` (again): a kept base at or after it is of an
+        attempt that did not recover to it, never to be served."""
+        with self._lock:
+            stale = [b for b in self._bases.get(key, []) if b.iteration >= iteration]
+            if not stale:
+                return
+            self._bases[key] = [b for b in self._bases[key] if b.iteration < iteration]
+            self.state.reserve(0, sum(b.nbytes for b in stale))
+            for b in stale:
+                self._remove_files(b.files)
 
     def published(self, key: tuple, base: int) -> None:
         """``base`` is published for the rank ``key``: drop what is older than both its newest
@@ -190,18 +211,74 @@ def _prune(bases: list[KeptBase], published: int) -> tuple[list[KeptBase], list[
 
 
 # --------------------------------------------------------------------- the rank's side
-def stage_base(
-    client: Any,
-    torch_optimizers: list[torch.optim.Optimizer | None],
-    residuals: Any,
-    record: DiffRecord,
-) -> str:
-    """Copy this rank's state at ``record.iteration`` (the optimizer shard, the residuals) into
-    its keeper's shared memory and hand it over (``residuals``: the error-feedback residuals,
-    ``None`` with the dense exchange). Returns ``""`` once the keeper holds it, else
-    why not. The training thread, between the base's save and the next step."""
-    arena = SharedArena(client.shm_folder())
-    try:
+class BaseStager:
+    """Stages this rank's bases into its keeper (``client``: its
+    :class:`~megatron_diffckpt.keeper.KeeperClient`), off the training path where it can.
+
+    :meth:`start` (the training thread, right after a base's save call) copies the
+    error-feedback residuals at once (the next backward pass changes them) and the optimizer
+    shard on a thread of its own (on GPU on a side stream, after the step that made the
+    state), which must end before the next optimizer step changes the shard: :meth:`wait`, from
+    the step's hook. Then the keeper's reply is the acknowledgement.
+    """
+
+    def __init__(self, client: Any):
+        self.client = client
+        self._thread: threading.Thread | None = None
+        self._result = ""
+        self.seconds = 0.0
+        """How long the last base's staging took, start to acknowledgement."""
+        self._stream: Any = None
+
+    def start(
+        self,
+        torch_optimizers: list[torch.optim.Optimizer | None],
+        residuals: Any,
+        record: DiffRecord,
+    ) -> None:
+        """Begin staging the state at ``record.iteration`` (``residuals``: ``None`` with the
+        dense exchange). The training thread, between the base's save and the next step."""
+        self.wait()
+        started = time.perf_counter()
+        arena = SharedArena(self.client.shm_folder())
+        tensors = residuals.tensors() if residuals is not None else {}
+        try:
+            kept_residuals = {k: arena.spec(arena.copy(v)) for k, v in tensors.items()}
+        except BaseException:
+            _remove(arena)
+            raise
+        made = None
+        if torch.cuda.is_available() and any(
+            p.is_cuda for o in torch_optimizers if o is not None for g in o.param_groups
+            for p in g["params"]
+        ):  # fmt: skip
+            self._stream = self._stream or torch.cuda.Stream()
+            made = torch.cuda.current_stream().record_event()  # the step that made the state
+
+        def stage() -> None:
+            try:
+                if made is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(made)
+                        self._result = self._stage(arena, torch_optimizers, kept_residuals, record)
+                        self._stream.synchronize()
+                else:
+                    self._result = self._stage(arena, torch_optimizers, kept_residuals, record)
+            except Exception as exc:  # the rank trains on; a restart loads storage's base
+                _remove(arena)
+                self._result = f"{type(exc).__name__}: {exc}"
+            self.seconds = time.perf_counter() - started
+
+        self._thread = threading.Thread(target=stage, name="diffckpt-keeper-base", daemon=True)
+        self._thread.start()
+
+    def _stage(
+        self,
+        arena: SharedArena,
+        torch_optimizers: list[torch.optim.Optimizer | None],
+        residuals: dict[str, dict[str, Any]],
+        record: DiffRecord,
+    ) -> str:
         optimizers = [
             None if o is None else _replica_of(o, arena.copy, prefix=f"o{i}.")
             for i, o in enumerate(torch_optimizers)
@@ -210,22 +287,39 @@ def stage_base(
             "op": "base_put",
             "iteration": record.iteration,
             "optimizers": describe(optimizers, arena.spec),
-            "residuals": {
-                k: arena.spec(arena.copy(v))
-                for k, v in (residuals.tensors() if residuals is not None else {}).items()
-            },
+            "residuals": residuals,
         }
-        reply = client.call(request, encode_record(record))
-    except BaseException:
-        _remove(arena)
-        raise
-    if reply is None:
-        _remove(arena)
-        return f"the keeper is gone ({client.lost})"
-    if "error" in reply[0]:
-        return reply[0]["error"]  # the keeper removed the files
-    arena.specs.clear()  # the keeper's now
-    return ""
+        reply = self.client.call(request, encode_record(record))
+        if reply is None:
+            _remove(arena)
+            return f"the keeper is gone ({self.client.lost})"
+        if "error" in reply[0]:
+            return reply[0]["error"]  # the keeper removed the files
+        arena.specs.clear()  # the keeper's now
+        failpoints.reach("base-kept")
+        return ""
+
+    def wait(self) -> str:
+        """Wait for the base being staged; ``""`` once the keeper holds it (or when none was
+        being staged), else why not (said once per base). Any thread but the stager's."""
+        if self._thread is None:
+            return ""
+        self._thread.join()
+        self._thread = None
+        return self._result
+
+
+def stage_base(
+    client: Any,
+    torch_optimizers: list[torch.optim.Optimizer | None],
+    residuals: Any,
+    record: DiffRecord,
+) -> str:
+    """Stage the state at ``record.iteration`` into ``client``'s keeper and wait for it:
+    :class:`BaseStager` in one call. ``""`` once the keeper holds it, else why not."""
+    stager = BaseStager(client)
+    stager.start(torch_optimizers, residuals, record)
+    return stager.wait()
 
 
 def _remove(arena: SharedArena) -> None:

@@ -12,6 +12,7 @@ saves of the training state.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from megatron_diffckpt.capture import GradShardCapture
@@ -27,12 +28,22 @@ class LowDiffStrategy(PerIterationStrategy):
         optimizer: the megatron optimizer (chained or not).
         writer: the diff log.
         rng_tracker: megatron's tensor-parallel RNG tracker.
+        before_step: called before each optimizer step (see :attr:`before_step`).
     """
 
     name = "lowdiff"
 
-    def __init__(self, optimizer: Any, writer: DiffLogWriter, rng_tracker: Any):
+    def __init__(
+        self,
+        optimizer: Any,
+        writer: DiffLogWriter,
+        rng_tracker: Any,
+        before_step: Callable[[], None] | None = None,
+    ):
         self.optimizer = optimizer
+        self.before_step = before_step
+        """Called before each optimizer step changes the state (a base being staged off the
+        training thread waits there)."""
         self.writer = writer
         self.rng_tracker = rng_tracker
         self.capture = GradShardCapture()
@@ -43,6 +54,8 @@ class LowDiffStrategy(PerIterationStrategy):
         optimizer_step.attach(self.optimizer, self._on_ready_grads)
 
     def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
+        if self.before_step is not None:
+            self.before_step()
         now = time.perf_counter()
         if self._step_start is None:
             self._step_start = now

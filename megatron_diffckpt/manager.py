@@ -180,6 +180,7 @@ class DiffCheckpointManager:
         self._keep_bases = (
             config.mode == "lowdiff" and self.keeper is not None and not config.keeper_no_base
         )  # LowDiff's bases staged in the node's keeper too
+        self._stager = keeper_base.BaseStager(self.keeper) if self._keep_bases else None
         self._kept_refused = False
         self._ended: tuple[int, int, int] | None = None  # (iteration, scheduler steps, consumed)
         self._scanned: tuple[int, Any, recovery.TieredChain, float, float] | None = None
@@ -494,7 +495,12 @@ class DiffCheckpointManager:
             if in_keeper and self._from_keeper is not None:
                 self.strategy.merger.resumed = self._from_keeper
         else:
-            self.strategy = LowDiffStrategy(self.optimizer, self.writer, self.rng_tracker)
+            self.strategy = LowDiffStrategy(
+                self.optimizer,
+                self.writer,
+                self.rng_tracker,
+                before_step=self._kept_staged if self._stager is not None else None,
+            )
         self.strategy.start(iteration)
 
     def end_iteration(
@@ -599,40 +605,40 @@ class DiffCheckpointManager:
         except full_storage.SAVE_FAILURES as exc:
             self.base_failed(iteration, exc)
             return time.perf_counter() - start
-        if self._keep_bases:
+        if self._stager is not None:
             blocked += self._stage_kept_base(iteration)
         self.on_base_saved(iteration, blocked)
         return blocked
 
     def _stage_kept_base(self, iteration: int) -> float:
-        """LowDiff under a keeper: the base of ``iteration`` (the training state, before the
-        next step) into the keeper's memory too (:mod:`~megatron_diffckpt.keeper_base`); the
-        seconds it took. Only a base after an iteration this process trained (its counters are
-        the last differential's): a job's starting point is storage's alone."""
+        """LowDiff under a keeper: begin staging the base of ``iteration`` (the training state,
+        before the next step) in the keeper's memory too (:mod:`~megatron_diffckpt.keeper_base`;
+        the shard is copied while the next iteration's passes run, and its step waits for it);
+        the seconds training was blocked. Only a base after an iteration this process trained
+        (its counters are the last differential's): a job's starting point is storage's alone."""
         if self._ended is None or self._ended[0] != iteration:
             return 0.0
         start = time.perf_counter()
+        self._kept_staged()
         _, steps, consumed = self._ended
         scalars, tensors = capture_rng(self.rng_tracker)
         record = DiffRecord(
             iteration, {"scheduler_steps": steps, "consumed_samples": consumed, **scalars}, tensors
         )
-        why = keeper_base.stage_base(self.keeper, self._torch_optimizers(), self.residuals, record)
-        seconds = time.perf_counter() - start
+        self._stager.start(self._torch_optimizers(), self.residuals, record)
+        return time.perf_counter() - start
+
+    def _kept_staged(self) -> None:
+        """Wait until the base being staged in the keeper is handed over (before the step that
+        changes the state it copies); say once when the keeper did not take one."""
+        why = self._stager.wait()
         if why and not self._kept_refused:
             self._kept_refused = True
             logger.warning(
-                "the node's keeper did not take the base of iteration %d (%s): a restart loads "
-                "storage's base (%s)",
-                iteration,
+                "the node's keeper did not take a base (%s): a restart loads storage's base (%s)",
                 why,
                 keeper_merger.KEEPER_FLAG_HINT,
             )
-        elif not why:
-            logger.debug("base of iteration %d kept by the node's keeper in %.3f s", iteration,
-                         seconds)  # fmt: skip
-            failpoints.reach("base-kept")
-        return seconds
 
     def _base_fits(self, iteration: int) -> bool:
         """Whether a base of ``iteration`` fits in the space left under ``--save`` (see
@@ -770,5 +776,7 @@ class DiffCheckpointManager:
             self.strategy = None
         if self.writer is not None:
             self.writer.close()
+        if self._stager is not None:
+            self._kept_staged()
         if self.keeper is not None:
             self.keeper.close()

@@ -180,12 +180,16 @@ def full_inputs(job: JobSpec) -> CostInputs:
 def with_keepers(job: JobSpec, c: CostInputs, replica: bool) -> CostInputs:
     """``c`` with the node keepers and their ring: a share of the failures recovered from host
     memory, from LowDiff+'s replicas (``replica``: main parameters and two Adam moments, fp32,
-    copied to the device) or from LowDiff's differentials (then base + replay, as from
-    storage); a share that loses a node whole, from the next node's keeper (a replacement node
-    fetches the node's replicas first)."""
+    copied to the device) or from LowDiff's newest base and differentials (the base copied to
+    the device, then replay; staging each base in the keeper copies it once more, off the
+    training path: the next iteration's passes run meanwhile); a share that
+    loses a node whole, from the next node's keeper (a replacement node fetches the node's
+    replicas first; LowDiff's base then comes from storage)."""
     replica_bytes = job.shard_params * 12.0
+    kept_base = None if replica else replica_bytes / job.staging_bandwidth
     return replace(
         c,
+        kept_base_load_s=kept_base,
         kept_share=job.kept_share,
         kept_restart_s=job.kept_restart_s,
         kept_recovery_s=replica_bytes / job.staging_bandwidth if replica else None,

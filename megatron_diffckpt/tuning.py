@@ -41,14 +41,16 @@ failure is :math:`C(F, B) = K(B) + \tfrac{F}{2}\,r`.
 (``kept_share``) of the failures leaves every iteration the ranks handed over in host memory
 that outlived them: those cost the restart inside the allocation :math:`R_k`, the recovery, and
 the iteration in flight, :math:`C_k(F) = R_k + x + t/2` from LowDiff+'s replicas in the keepers
-(``kept_recovery_s``, no base, no replay) or :math:`R_k + \ell + \tfrac{F}{2} r + t/2` from
-their differentials. With the keepers' ring (:mod:`~megatron_diffckpt.keeper_peers`), a further
-share :math:`q_p` (``peer_share``) loses a node whole, its ranks and its keeper, while the next
-node's keeper holds its copy: :math:`C_p(F) = R_p + y + x + t/2` (or with :math:`\ell +
-\tfrac{F}{2} r` in place of :math:`x`), the restart with a replacement node :math:`R_p` and the
-lost node's fetch of its copy from the peer :math:`y`. Then :math:`C = (1 - q - q_p)\,C + q\,C_k
-+ q_p\,C_p`, again linear in F: the optimum below holds with :math:`K = C(0, B)` and :math:`r`
-the slope's replay (``replay_slope_s``).
+(``kept_recovery_s``, no base, no replay) or :math:`R_k + \ell_k + \tfrac{F}{2} r + t/2` from
+their differentials, with the base from their memory (``kept_base_load_s``, :math:`\ell_k`) or
+from storage (:math:`\ell_k = \ell`). With the keepers' ring
+(:mod:`~megatron_diffckpt.keeper_peers`), a further share :math:`q_p` (``peer_share``) loses a
+node whole, its ranks and its keeper, while the next node's keeper holds its copy:
+:math:`C_p(F) = R_p + y + x + t/2` (or with :math:`\ell + \tfrac{F}{2} r` in place of
+:math:`x`: bases do not travel around the ring), the restart with a replacement node
+:math:`R_p` and the lost node's fetch of its copy from the peer :math:`y`. Then
+:math:`C = (1 - q - q_p)\,C + q\,C_k + q_p\,C_p`, again linear in F: the optimum below holds
+with :math:`K = C(0, B)` and :math:`r` the slope's replay (``replay_slope_s``).
 
 **Expected wall time per useful iteration.** Failures arrive at rate :math:`\lambda` per second of
 wall time, each wasting :math:`C` seconds, so a share :math:`\lambda C` of the time makes no
@@ -126,6 +128,9 @@ class CostInputs:
     kept_recovery_s: float | None = None
     """x: recovering from the keepers' LowDiff+ replicas (a host-to-device copy); ``None``: the
     keepers hold differentials, and recovery loads the base and replays as from storage."""
+    kept_base_load_s: float | None = None
+    """l_k: LowDiff's newest base from the keepers' memory (a host-to-device copy) for the
+    failures they serve; ``None``: from storage (``base_load_s``)."""
     peer_share: float = 0.0
     """q_p: share of the failures that lose a node whole (its ranks and its keeper) while the
     next node's keeper holds its copy (the keepers' ring); ``kept_share + peer_share <= 1``."""
@@ -152,7 +157,10 @@ class CostInputs:
                 f"peer_share must be in [0, 1 - kept_share], got {self.peer_share} with "
                 f"kept_share {self.kept_share}"
             )
-        for name in ("kept_restart_s", "kept_recovery_s", "peer_restart_s", "peer_fetch_s"):
+        for name in (
+            "kept_restart_s", "kept_recovery_s", "kept_base_load_s", "peer_restart_s",
+            "peer_fetch_s",
+        ):  # fmt: skip
             if (getattr(self, name) or 0.0) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -202,18 +210,22 @@ def failure_cost_s(c: CostInputs, full_interval: float, batch: int) -> float:
     storage = c.restart_s + c.base_load_s + lost_iterations * t + full_interval / 2.0 * c.replay_s
     if c.kept_share == 0.0 and c.peer_share == 0.0:
         return storage
-    held = held_recovery_s(c, full_interval) + t / 2.0  # and the iteration in flight
-    kept = c.kept_restart_s + held  # C_k: the restart in the allocation
-    peer = c.peer_restart_s + c.peer_fetch_s + held  # C_p: a replacement node fetches the copy
+    in_flight = t / 2.0
+    kept = c.kept_restart_s + held_recovery_s(c, full_interval) + in_flight  # C_k: in place
+    peer = (  # C_p: a replacement node fetches the copy
+        c.peer_restart_s + c.peer_fetch_s + held_recovery_s(c, full_interval, local=False)
+    ) + in_flight
     return (1.0 - c.kept_share - c.peer_share) * storage + c.kept_share * kept + c.peer_share * peer
 
 
-def held_recovery_s(c: CostInputs, full_interval: float) -> float:
-    """x, or l + F/2 r: recovering what the keepers hold (their replicas, or base + replay of
-    their differentials), after a failure they or their peers survived."""
+def held_recovery_s(c: CostInputs, full_interval: float, local: bool = True) -> float:
+    """x, or l_k + F/2 r: recovering what the keepers hold (their replicas, or base + replay of
+    their differentials), after a failure they (``local``) or their peers survived (then the
+    base comes from storage: l)."""
     if c.kept_recovery_s is not None:
         return c.kept_recovery_s
-    return c.base_load_s + full_interval / 2.0 * c.replay_s
+    base = c.kept_base_load_s if local and c.kept_base_load_s is not None else c.base_load_s
+    return base + full_interval / 2.0 * c.replay_s
 
 
 def replay_slope_s(c: CostInputs) -> float:

@@ -65,7 +65,10 @@ def simulate(c: CostInputs, full_interval: int, batch: int, iterations: int, see
                     durable = done
                     recovery = c.kept_recovery_s
                     if recovery is None:  # their differentials: the base, then replay
-                        recovery = c.base_load_s + (durable - base) * c.replay_s
+                        load = c.base_load_s  # storage's (a node lost whole: no kept base)
+                        if tier < c.kept_share and c.kept_base_load_s is not None:
+                            load = c.kept_base_load_s  # the keepers' own copy
+                        recovery = load + (durable - base) * c.replay_s
                     if tier < c.kept_share:  # the hosts are up: a restart in the allocation
                         recovered = now + c.kept_restart_s + recovery
                     else:  # a node lost whole: a replacement fetches its copy from the peer

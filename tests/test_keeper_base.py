@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 from launch import assert_same_state, load_dumps, run_cli
-from test_keeper import ME, start_keeper
+from test_keeper import ME, record, start_keeper
 from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
 
 from megatron_diffckpt import keeper_base
@@ -109,6 +109,27 @@ def test_a_base_over_the_cap_is_refused_and_leaves_no_file(tmp_path):
         assert not list(shm.iterdir())
         assert keeper_base.offered_bases(rank).bases == {}
         assert query(sock)["reserved"] == 0
+    finally:
+        stop(sock)
+        proc.wait(30)
+
+
+def test_a_base_of_an_attempt_the_restart_did_not_recover_to_is_dropped(tmp_path):
+    """Base 10 staged, then the rank trains iteration 9 again (its restart recovered to 8):
+    base 10 belongs to the abandoned attempt; base 5 stays."""
+    sock, shm = str(tmp_path / "keeper.sock"), tmp_path / "shm"
+    proc = start_keeper(sock, "--shm-dir", str(shm))
+    try:
+        rank = KeeperClient(sock, ME)
+        for base in (5, 10):
+            assert keeper_base.stage_base(rank, [_trained(seed=base)], None, _record(base)) == ""
+            if base == 5:
+                rank.published(5)
+        assert sorted(keeper_base.offered_bases(rank).bases) == [5, 10]
+        files = {f.name for f in shm.iterdir()}
+        assert rank.put(record(9))
+        assert sorted(keeper_base.offered_bases(rank).bases) == [5]
+        assert len(list(shm.iterdir())) == len(files) // 2
     finally:
         stop(sock)
         proc.wait(30)

@@ -195,8 +195,12 @@ _DIFFERENTIALS = dict(kept_share=0.5, kept_restart_s=10.0)
 _REPLICAS = dict(_DIFFERENTIALS, kept_recovery_s=0.5)
 # A further 30% lose a node whole: a replacement node fetches the node's copy from its peer.
 _PEERS = dict(peer_share=0.3, peer_restart_s=40.0, peer_fetch_s=2.0)
+# LowDiff's newest base in the keepers too: the failures they serve read no base from storage.
+_KEPT_BASE = dict(_DIFFERENTIALS, kept_base_load_s=0.5)
 KEPT = {
     "differentials": _DIFFERENTIALS,
+    "differentials+base": _KEPT_BASE,
+    "differentials+base+peers": {**_KEPT_BASE, **_PEERS},
     "replicas": _REPLICAS,
     "differentials+peers": {**_DIFFERENTIALS, **_PEERS},
     "replicas+peers": {**_REPLICAS, **_PEERS},
@@ -250,6 +254,19 @@ def test_failures_the_peers_serve_cost_what_their_tier_says_and_less_than_storag
     local = full_checkpointing(replace(bases, **KEPT["replicas"]))
     ring = full_checkpointing(replace(bases, **KEPT["replicas+peers"]))
     assert ring.full_interval > local.full_interval and ring.overhead < local.overhead
+
+
+def test_a_base_in_the_keepers_serves_their_failures_not_a_lost_nodes():
+    storage = SCENARIOS["fast-writer-mtbf-10min"]
+    differentials = replace(storage, **KEPT["differentials+peers"])
+    with_base = replace(storage, **KEPT["differentials+base+peers"])
+    t = step_s(storage, 4)
+    kept_tier = 10.0 + 0.5 + 10 * 0.05 + t / 2  # restart, the keepers' base, replay, in flight
+    peer_tier = 40.0 + 2.0 + 10.0 + 10 * 0.05 + t / 2  # the base from storage: not in the ring
+    assert failure_cost_s(with_base, 20, 4) == pytest.approx(
+        0.2 * failure_cost_s(storage, 20, 4) + 0.5 * kept_tier + 0.3 * peer_tier
+    )
+    assert optimize(with_base).overhead < optimize(differentials).overhead
 
 
 def test_a_keepers_share_outside_zero_to_one_is_refused():
