@@ -54,6 +54,7 @@ from megatron_diffckpt.shared_replica import (
     files_of,
     map_tensor,
     nbytes_of,
+    remove_files,
     specs_of,
     tensor_nbytes,
 )
@@ -168,12 +169,7 @@ class KeptBases:
                 self._remove_files(b.files)
 
     def _remove_files(self, files: set[str]) -> None:
-        for path in files:
-            if os.path.dirname(path) == self.folder:  # never outside the keeper's own folder
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
+        remove_files(files, self.folder)  # never outside the keeper's own folder
 
     def stats(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -323,11 +319,7 @@ def stage_base(
 
 
 def _remove(arena: SharedArena) -> None:
-    for spec in arena.specs.values():
-        try:
-            os.remove(spec["file"])
-        except FileNotFoundError:
-            pass
+    remove_files([spec["file"] for spec in arena.specs.values()], arena.folder)
     arena.specs.clear()
 
 

@@ -59,6 +59,7 @@ from megatron_diffckpt.shared_replica import (
     map_tensor,
     nbytes_of,
     packed,
+    remove_files,
     tensor_bytes,
     tensor_from,
     tensors_of,
@@ -380,12 +381,7 @@ class HostedReplicas:
                 self._remove_files(replica.files)
 
     def _remove_files(self, files: set[str]) -> None:
-        for path in files:
-            if os.path.dirname(path) == self.folder:  # never outside the keeper's own folder
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
+        remove_files(files, self.folder)  # never outside the keeper's own folder
 
     def stats(self) -> dict[str, list[dict[str, Any]]]:
         def rows(table: dict[tuple, HostedReplica]) -> list[dict[str, Any]]:

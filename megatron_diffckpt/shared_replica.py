@@ -17,7 +17,7 @@ import copy
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -80,6 +80,16 @@ class SharedArena:
 
     def spec(self, tensor: torch.Tensor) -> dict[str, Any]:
         return self.specs[id(tensor)]
+
+
+def remove_files(files: Iterable[str], folder: str) -> None:
+    """Remove ``files`` that lie in ``folder`` (never one outside it); missing ones are fine."""
+    for path in files:
+        if os.path.dirname(path) == folder:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 def describe(optimizers: list[torch.optim.Optimizer | None], spec_of: Any) -> list[Any]:

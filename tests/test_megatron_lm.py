@@ -328,6 +328,23 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
 
 
+def _killed_under_the_node_launcher(args: list[str], failpoint: str) -> str:
+    """Train to TOTAL under the node launcher with a keeper and one torchrun restart, rank 1
+    killed at ``failpoint`` (``NAME:N@1``); the log from the kill on (the restarted attempt's
+    lines come after it)."""
+    launcher = REPO / "examples" / "gpt" / "node_launcher.py"
+    cmd = [sys.executable, str(launcher), "--diffckpt-keeper-memory", "64", "--standalone"]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), *args]
+    cmd += ["--train-iters", str(TOTAL)]
+    env = dict(_env(), DIFFCKPT_FAILPOINT=failpoint)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    log = proc.stdout
+    assert proc.returncode == 0, log[-4000:]
+    name, nth = failpoint.split("@")[0].split(":")
+    return log[log.index(f"failpoint {name} #{nth}: SIGKILL of rank 1") :]
+
+
 @pytest.mark.distributed
 def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exactly(
     tmp_path, straight_runs
@@ -342,17 +359,9 @@ def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exac
     ckpt = tmp_path / "ckpt"
     plus = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
     plus += ["--diffckpt-mode", "lowdiff-plus", "--diffckpt-plus-keeper-replica"]
-    launcher = REPO / "examples" / "gpt" / "node_launcher.py"
-    cmd = [sys.executable, str(launcher), "--diffckpt-keeper-memory", "64", "--standalone"]
-    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), *gpt, *plus]
-    cmd += ["--train-iters", str(TOTAL)]
-    env = dict(_env(), DIFFCKPT_FAILPOINT="plus-hand-over:9@1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
-    log = proc.stdout  # in order: the restarted attempt's lines after the fail point's
-    assert proc.returncode == 0, log[-4000:]
-    restarted = log[log.index("failpoint plus-hand-over #9: SIGKILL of rank 1") :]
-    assert "recovery: iteration 8 from the replica in the node's keeper" in restarted, log[-4000:]
+    restarted = _killed_under_the_node_launcher([*gpt, *plus], "plus-hand-over:9@1")
+    kept = "recovery: iteration 8 from the replica in the node's keeper"
+    assert kept in restarted, restarted[-4000:]
     assert re.search(r"recovered to iteration 8 \(base 5\)", restarted)
     _assert_same_losses(_resumed_losses(restarted, 8), expected_losses)
     final = f"iter_{TOTAL:07d}"
@@ -374,16 +383,7 @@ def test_lowdiff_recovers_from_the_keepers_base_newer_than_the_one_megatron_lm_l
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
     diff += ["--diffckpt-mode", "lowdiff"]
-    launcher = REPO / "examples" / "gpt" / "node_launcher.py"
-    cmd = [sys.executable, str(launcher), "--diffckpt-keeper-memory", "64", "--standalone"]
-    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), *gpt, *diff]
-    cmd += ["--train-iters", str(TOTAL)]
-    env = dict(_env(), DIFFCKPT_FAILPOINT="base-kept:2@1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
-    log = proc.stdout
-    assert proc.returncode == 0, log[-4000:]
-    restarted = log[log.index("failpoint base-kept #2: SIGKILL of rank 1") :]
+    restarted = _killed_under_the_node_launcher([*gpt, *diff], "base-kept:2@1")
     loaded = re.search(r"loaded checkpoint from .* at iteration (\d+)", restarted)
     # base 10 is never finalized: the killed rank could not take part
     assert loaded is not None and loaded[1] == "5", restarted[-4000:]
