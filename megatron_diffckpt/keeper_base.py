@@ -19,14 +19,14 @@ replaying them. Here every base a rank saves is also staged in its keeper's memo
    against the keeper's cap; a base that does not fit is refused (the rank says so once and
    recovers from storage's base). A rank's differential of iteration i drops its kept bases at
    or after i: they belong to an attempt that the restart did not recover to.
-3. **Recovery** (:func:`agree_on_kept_base`, all ranks): B = the newest base every rank's keeper
-   holds, used when it is at least storage's newest base S (newer than S when the training loop
-   has already loaded S) and every rank's chain (storage's diff log from S, then the keeper's
-   records) reaches B, so that storage's log covers every iteration the job trains past (the
-   records between S and B are written back as for any recovery); else every rank loads S from
-   storage as without it. The rank maps the keeper's files, copies them into its optimizer and
-   residuals, and replays its chain from B on (:meth:`~megatron_diffckpt.manager.
-   DiffCheckpointManager.recover_from_keeper`).
+3. **Recovery** (:func:`agree_on_kept_base`, all ranks): B = the oldest of the ranks' newest
+   kept bases, used when every rank's keeper holds it, B is at least storage's newest base S
+   (newer than S when the training loop has already loaded S) and every rank's chain
+   (storage's diff log from S, then the keeper's records) reaches B, so that storage's log
+   covers every iteration the job trains past (the records between S and B are written back as
+   for any recovery); else every rank loads S from storage as without it. The rank maps the
+   keeper's files, copies them into its optimizer and residuals, and replays its chain from B
+   on (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.recover_from_keeper`).
 
 Bases are not copied to the next node's keeper: a node lost whole comes back with an empty
 keeper, so its ranks hold no base, and every rank loads storage's (the peer's differentials
