@@ -74,13 +74,17 @@ class KeptBase:
     """Error-feedback residual per bucket: its tensor spec."""
     record: bytes
     """The base iteration's counters and RNG states (one encoded record)."""
-    files: set[str] = field(default_factory=set)
-    nbytes: int = 0
+    files: set[str] = field(init=False)
+    nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        slots = [self.residuals] if self.residuals else []
-        self.files = files_of(self.optimizers, slots)
-        self.nbytes = nbytes_of(self.optimizers, slots)
+        self.files = files_of(self.optimizers, self.slots)
+        self.nbytes = nbytes_of(self.optimizers, self.slots)
+
+    @property
+    def slots(self) -> list[dict[str, dict[str, Any]]]:
+        """The residuals' specs, as the slots of the shared_replica helpers."""
+        return [self.residuals] if self.residuals else []
 
 
 class KeptBases:
@@ -117,16 +121,7 @@ class KeptBases:
         base = KeptBase(int(req["iteration"]), req["optimizers"], req["residuals"], record)
         with self._lock:
             others = {f for b in self._bases.get(key, []) for f in b.files}
-            outside = [f for f in base.files if os.path.dirname(f) != self.folder]
-            why = (
-                f"a base's files must be in the keeper's folder, not {outside[0]}"
-                if outside
-                else "a base's files are those of a base the keeper holds already"
-                if others & base.files
-                else f"a base's file is missing or short: {_missing(base)}"
-                if _missing(base)
-                else ""
-            )
+            why = _refused(base, self.folder, others)
             if why:
                 self._remove_files(base.files - others)  # never another base's
                 raise ValueError(why)
@@ -147,26 +142,29 @@ class KeptBases:
         """The rank ``key`` trains ``iteration`` (again): a kept base at or after it is of an
         attempt that did not recover to it, never to be served."""
         with self._lock:
-            stale = [b for b in self._bases.get(key, []) if b.iteration >= iteration]
-            if not stale:
-                return
-            self._bases[key] = [b for b in self._bases[key] if b.iteration < iteration]
-            self.state.reserve(0, sum(b.nbytes for b in stale))
-            for b in stale:
-                self._remove_files(b.files)
+            bases = self._bases.get(key, [])
+            self._replace(
+                key,
+                [b for b in bases if b.iteration < iteration],
+                [b for b in bases if b.iteration >= iteration],
+            )
 
     def published(self, key: tuple, base: int) -> None:
         """``base`` is published for the rank ``key``: drop what is older than both its newest
         kept base and the newest kept at or below ``base``."""
         with self._lock:
             self._published[key] = max(base, self._published.get(key, -1))
-            kept, pruned = _prune(self._bases.get(key, []), self._published[key])
-            if not pruned:
-                return
-            self._bases[key] = kept
-            self.state.reserve(0, sum(b.nbytes for b in pruned))
-            for b in pruned:
-                self._remove_files(b.files)
+            self._replace(key, *_prune(self._bases.get(key, []), self._published[key]))
+
+    def _replace(self, key: tuple, kept: list[KeptBase], dropped: list[KeptBase]) -> None:
+        """The rank ``key`` holds ``kept``: ``dropped``'s bytes and files released. With the
+        lock held."""
+        if not dropped:
+            return
+        self._bases[key] = kept
+        self.state.reserve(0, sum(b.nbytes for b in dropped))
+        for b in dropped:
+            self._remove_files(b.files)
 
     def _remove_files(self, files: set[str]) -> None:
         remove_files(files, self.folder)  # never outside the keeper's own folder
@@ -180,10 +178,21 @@ class KeptBases:
             ]
 
 
+def _refused(base: KeptBase, folder: str, others: set[str]) -> str:
+    """Why the keeper cannot hold ``base`` (``""``: it can): a file outside its ``folder``, one
+    of another base it holds (``others``), or one missing or short."""
+    outside = [f for f in base.files if os.path.dirname(f) != folder]
+    if outside:
+        return f"a base's files must be in the keeper's folder, not {outside[0]}"
+    if others & base.files:
+        return "a base's files are those of a base the keeper holds already"
+    missing = _missing(base)
+    return f"a base's file is missing or short: {missing}" if missing else ""
+
+
 def _missing(base: KeptBase) -> str:
     """A file of ``base`` that is absent or shorter than its tensor (``""``: none)."""
-    slots = [base.residuals] if base.residuals else []
-    for spec in specs_of(base.optimizers, slots):
+    for spec in specs_of(base.optimizers, base.slots):
         if "file" not in spec:
             continue
         try:
@@ -372,13 +381,11 @@ def load_kept_base(
     row: dict[str, Any],
     torch_optimizers: list[torch.optim.Optimizer | None],
     residuals: Any,
-) -> float:
+) -> None:
     """Copy the kept base ``row`` describes into the training ``torch_optimizers`` and the
-    error-feedback ``residuals`` (``None``: dense exchange); the seconds it took. Any rank."""
+    error-feedback ``residuals`` (``None``: dense exchange). Any rank."""
     from megatron_diffckpt.keeper_merger import load_replica
 
-    start = time.perf_counter()
     load_replica(torch_optimizers, build(row["optimizers"]))
     if residuals is not None:
         residuals.load_state_dict({k: map_tensor(s) for k, s in row["residuals"].items()})
-    return time.perf_counter() - start

@@ -177,10 +177,9 @@ class DiffCheckpointManager:
         self._recovery: tuple[float, float | None, float] | None = None
         self._from_keeper: tuple[int, list[Any]] | None = None  # the keeper replica's, recovered
         self._in_keeper = False  # LowDiff+'s replica lives in the node's keeper
-        self._keep_bases = (
-            config.mode == "lowdiff" and self.keeper is not None and not config.keeper_no_base
-        )  # LowDiff's bases staged in the node's keeper too
-        self._stager = keeper_base.BaseStager(self.keeper) if self._keep_bases else None
+        keep_bases = config.mode == "lowdiff" and self.keeper and not config.keeper_no_base
+        # LowDiff's bases staged in the node's keeper too
+        self._stager = keeper_base.BaseStager(self.keeper) if keep_bases else None
         self._kept_refused = False
         self._ended: tuple[int, int, int] | None = None  # (iteration, scheduler steps, consumed)
         self._scanned: tuple[int, Any, recovery.TieredChain, float, float] | None = None
@@ -203,7 +202,7 @@ class DiffCheckpointManager:
         """
         if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica:
             return self._recover_replica()
-        if self._keep_bases and storage_base is not None:
+        if self._stager is not None and storage_base is not None:
             return self._recover_kept_base(storage_base, loaded)
         return None
 

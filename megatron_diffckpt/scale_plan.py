@@ -182,17 +182,17 @@ def with_keepers(job: JobSpec, c: CostInputs, replica: bool) -> CostInputs:
     memory, from LowDiff+'s replicas (``replica``: main parameters and two Adam moments, fp32,
     copied to the device) or from LowDiff's newest base and differentials (the base copied to
     the device, then replay; staging each base in the keeper copies it once more, off the
-    training path: the next iteration's passes run meanwhile); a share that
-    loses a node whole, from the next node's keeper (a replacement node fetches the node's
-    replicas first; LowDiff's base then comes from storage)."""
+    training path: the next iteration's passes run meanwhile); a share that loses a node
+    whole, from the next node's keeper (a replacement node fetches the node's replicas first;
+    LowDiff's base then comes from storage)."""
     replica_bytes = job.shard_params * 12.0
-    kept_base = None if replica else replica_bytes / job.staging_bandwidth
+    to_device_s = replica_bytes / job.staging_bandwidth  # a replica, or LowDiff's kept base
     return replace(
         c,
-        kept_base_load_s=kept_base,
+        kept_base_load_s=None if replica else to_device_s,
         kept_share=job.kept_share,
         kept_restart_s=job.kept_restart_s,
-        kept_recovery_s=replica_bytes / job.staging_bandwidth if replica else None,
+        kept_recovery_s=to_device_s if replica else None,
         peer_share=job.peer_share,
         peer_restart_s=job.restart_s,  # a node lost whole: a requeue, with or without the ring
         peer_fetch_s=job.gpus_per_node * replica_bytes / job.peer_bandwidth if replica else 0.0,

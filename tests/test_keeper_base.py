@@ -1,7 +1,7 @@
 """LowDiff's newest base in the node's keeper: staged, held and dropped by a real keeper process
 bit for bit, refused over the cap; the ranks' agreement on the base; and real jobs under the
 node launcher whose ranks, SIGKILLed, recover from the keepers' base without reading storage's
-(example loop) or from a base newer than the one storage published (Megatron-LM-free, async
+(the example's loop) or from a base newer than the one storage published (asynchronous
 saves), ending ``torch.equal`` to an uninterrupted run."""
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def test_a_staged_base_is_served_bit_for_bit_and_dropped_once_a_newer_one_is_pub
         restarted = KeeperClient(sock, ME)
         offered = keeper_base.offered_bases(restarted)
         assert sorted(offered.bases) == [5, 10] and offered.newest == 10
-        row, record = offered.bases[10]
-        assert record.scalars["consumed_samples"] == 80
+        row, counters = offered.bases[10]
+        assert counters.scalars["consumed_samples"] == 80
         fresh = _trained(seed=1)
         into = ErrorFeedbackResiduals()
         keeper_base.load_kept_base(row, [fresh], into)
