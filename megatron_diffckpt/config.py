@@ -84,13 +84,16 @@ class DiffCkptConfig:
 
     plus_no_diff_log: bool = False
     """lowdiff-plus: persist bases only, without the per-iteration differentials between them
-    (recovery then resumes from the newest base)."""
+    (recovery from storage then resumes from the newest base; with
+    --diffckpt-plus-keeper-replica a restart whose keepers live still recovers the newest
+    iteration from them)."""
 
     plus_keeper_replica: bool = False
     """lowdiff-plus under a node launcher with a keeper (--diffckpt-keeper-memory): the replica
-    and its merger live in the node's keeper, which outlives the ranks, in place of the dense
-    diff log; a restart recovers from the keepers without reading storage (without a keeper:
-    in-process, with the diff log unless --diffckpt-plus-no-diff-log)."""
+    and its merger live in the node's keeper, which outlives the ranks, and the keeper writes
+    the diff log from its merges (the ranks write none); a restart recovers from the keepers
+    without reading storage, and from storage's bases and diff log when a keeper was lost
+    (without a keeper: in-process, as without this flag)."""
 
     keeper_no_base: bool = False
     """lowdiff under a node launcher with a keeper: do not stage each base in the keeper's
@@ -132,7 +135,8 @@ class DiffCkptConfig:
         if self.plus_keeper_replica and (self.mode != "lowdiff-plus" or self.auto_tune):
             raise DiffCkptUsageError(
                 "--diffckpt-plus-keeper-replica is for --diffckpt-mode lowdiff-plus without "
-                "--diffckpt-auto-tune (the keeper's replica takes the diff log's place)"
+                "--diffckpt-auto-tune (the keeper writes the diff log; the tuner measures the "
+                "ranks' writer)"
             )
         if not 0.0 < self.topk_ratio <= 1.0:
             raise DiffCkptUsageError(

@@ -11,8 +11,9 @@ what their predecessors handed it.
 What it holds, per rank (its whole :class:`~megatron_diffckpt.storage.format.SegmentIdentity`:
 run, coordinates and shard layout, so it never serves a record to another layout): the records
 after the newest base that rank reported published, each in the diff log's own record encoding
-(checksummed, never pickle). The ranks go on writing the diff log to storage themselves; the
-keeper is a second copy, in memory, that a restart reads first.
+(checksummed, never pickle). LowDiff's ranks go on writing the diff log to storage themselves; the
+keeper is a second copy, in memory, that a restart reads first. (LowDiff+ with its replica here:
+the keeper itself writes the diff log, from its merges.)
 
 - **Acknowledged = held.** :meth:`KeeperClient.put` returns once the keeper holds the record: it
   survives the rank (SIGKILL included), not the node.
@@ -25,7 +26,8 @@ keeper is a second copy, in memory, that a restart reads first.
   (identity, iteration; payload: the record), ``published`` (identity, base iteration: drop the
   records up to it), ``chain`` (identity, after: the consecutive records from ``after + 1``;
   payload: the records end to end), ``stats``, ``stop``; ``replica_*``: LowDiff+'s replica
-  hosted here, its merges and its recovery (:mod:`~megatron_diffckpt.keeper_replica`);
+  hosted here, its merges, the diff log written from them, and its recovery
+  (:mod:`~megatron_diffckpt.keeper_replica`);
   ``base_*``: LowDiff's newest base in memory (:mod:`~megatron_diffckpt.keeper_base`).
 - **A ring.** With ``--peers DIR --node N --nnodes M``, a second server on TCP takes the same
   requests from the previous node's keeper (each with this keeper's token), and every record
@@ -240,6 +242,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 state.published(req["identity"], int(req["iteration"]))
                 if server.bases is not None:
                     server.bases.published(_key(req["identity"]), int(req["iteration"]))
+                if not from_peer:
+                    server.replicas.published(_key(req["identity"]), int(req["iteration"]))
                 _send(self.request, {"ok": True})
                 if link is not None and not from_peer:
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")})
@@ -403,6 +407,7 @@ def serve(
         for server in servers:
             server.close_connections()
             server.server_close()
+        local.replicas.close()
         if link is not None:
             link.close()
         if os.path.exists(path):

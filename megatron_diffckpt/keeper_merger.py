@@ -45,9 +45,21 @@ class KeeperReplicaMerger(QueuedMerges):
 
     failure = "LowDiff+: the hand-over to the keeper failed"
 
-    def __init__(self, client: Any, layout: ShardLayout, cpu: CpuMeter | None = None):
+    def __init__(
+        self,
+        client: Any,
+        layout: ShardLayout,
+        cpu: CpuMeter | None = None,
+        log: dict[str, Any] | None = None,
+    ):
         self.client = client
         self.layout = layout
+        self.log = log
+        """What the keeper's writer of this rank's diff log takes
+        (:class:`~megatron_diffckpt.keeper_replica.ReplicaLog`'s ``spec``; ``None``: the keeper
+        writes no diff log, only bases make iterations durable on storage)."""
+        self.durable: int | None = None
+        """The newest iteration the keeper's writer made durable, as of its last reply."""
         self.cpu = cpu if cpu is not None else CpuMeter()
         self.arena = SharedArena(client.shm_folder())
         self.optimizers: list[torch.optim.Optimizer | None] = []
@@ -96,6 +108,8 @@ class KeeperReplicaMerger(QueuedMerges):
             for inner in self.layout
         ]
         request["slots"] = self._slot_specs
+        if self.log is not None:
+            request["log"] = self.log
         self._call(request)
         self.optimizers = optimizers
         self.arena.specs.clear()  # the keeper owns the files now
@@ -141,6 +155,8 @@ class KeeperReplicaMerger(QueuedMerges):
         for activity, total in reply["cpu"].items():  # the keeper's merge CPU, as in-process
             self.cpu.add(activity, total - self._cpu_seen.get(activity, 0.0))
         self._cpu_seen = dict(reply["cpu"])
+        if reply.get("durable") is not None:
+            self.durable = int(reply["durable"])
         self._set_merged(max(self._merged, int(reply["merged"])))
 
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:

@@ -41,6 +41,7 @@ what both share.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import threading
@@ -52,6 +53,8 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.background import CpuMeter
+from megatron_diffckpt.capture import GradShardCapture
+from megatron_diffckpt.recovery import truncate_log
 from megatron_diffckpt.replica_merger import ParamSlice, ShardLayout, StepInputs, step_replica
 from megatron_diffckpt.shared_replica import (
     build,
@@ -64,6 +67,8 @@ from megatron_diffckpt.shared_replica import (
     tensor_from,
     tensors_of,
 )
+from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, iter_records
+from megatron_diffckpt.storage.writer import DiffLogWriter
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,75 @@ class _Held:
     filled: set[str]
     inputs: StepInputs
     record: bytes
+
+
+class ReplicaLog:
+    """The diff log of one rank whose replica this keeper holds, written by the keeper.
+
+    Every iteration the replica merges becomes a record, as the in-process merger's
+    (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger` with a writer) would make it: the
+    step input the merge consumed (each main parameter's gradient, clipped, and every group's
+    learning rate and weight decay) with the counters and RNG states the rank handed over; a
+    :class:`~megatron_diffckpt.storage.writer.DiffLogWriter` in this process writes it to the
+    rank's folder of the diff log. So a job that loses everything (ranks and keepers) recovers
+    from storage to the newest iteration every rank's keeper wrote, not to the newest base; and
+    the rank's process does no diff-log work at all.
+
+    A chain that does not continue this writer's (a new one: a fresh start, a recovery from
+    storage, a replica adopted from a peer) starts with nothing after its first iteration left
+    in storage's log (an older attempt's records there are cut off) and a writer of its own,
+    which takes the rank's folder over (:data:`~megatron_diffckpt.storage.writer.OWNER_FILE`).
+    Before a rank cuts its log itself (a recovery from storage), it asks for
+    :meth:`flush`: nothing is written after it until the rank opens its replica again.
+
+    ``spec`` (from the rank's ``replica_open``): ``root`` (the diff log folder), ``compressor``,
+    ``batch_size``, ``max_pending``, ``when_full``, ``direct_io``, ``slow_hint``, and
+    ``durable``: the newest iteration storage holds of this rank's chain when that is older
+    than ``iteration`` (a replica recovered from a peer; ``None``: ``iteration`` itself).
+    """
+
+    def __init__(self, spec: dict[str, Any], iteration: int, identity: dict[str, Any]):
+        who = SegmentIdentity(**identity)
+        rank_dir = os.path.join(spec["root"], who.dirname())
+        if os.path.isdir(rank_dir):
+            truncate_log(rank_dir, None, iteration)
+        self.writer = DiffLogWriter(
+            spec["root"],
+            who,
+            spec["compressor"],
+            batch_size=int(spec["batch_size"]),
+            max_pending=int(spec["max_pending"]),
+            when_full=spec["when_full"],
+            chain_start=iteration,
+            slow_hint=spec["slow_hint"],
+            direct_io=bool(spec["direct_io"]),
+            durable_from=spec.get("durable"),
+        )
+        self.capture = GradShardCapture()
+
+    def continues(self, iteration: int) -> bool:
+        """Whether a replica at ``iteration`` continues this log's chain."""
+        return self.writer.next_iteration == iteration + 1
+
+    def append(self, iteration: int, handed: bytes) -> None:
+        """Write ``iteration``: the step input :attr:`capture` saw (none for a skipped step)
+        and ``handed``, the rank's record of its counters and RNG states."""
+        counters = next(iter_records(io.BytesIO(handed)), None)
+        if counters is None or counters.iteration != iteration:
+            raise ValueError(f"iteration {iteration} was handed over without its counters")
+        scalars = dict(counters.scalars)
+        steps, consumed = scalars.pop("scheduler_steps"), scalars.pop("consumed_samples")
+        record: DiffRecord = self.capture.build_record(
+            iteration, steps, consumed, (scalars, counters.tensors)
+        )
+        self.writer.append(record)
+
+    def flush(self) -> int:
+        """Write everything appended; the newest durable iteration."""
+        return self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class HostedReplica:
@@ -108,6 +182,9 @@ class HostedReplica:
         self.merged = int(request["iteration"])
         self.record = record  # the counters and RNG states at ``merged`` (b"": none)
         self.held: _Held | None = None
+        self.log: ReplicaLog | None = None
+        """Where merged iterations are written to storage (set by the keeper on open; a ring
+        copy has none)."""
         self.cpu = CpuMeter()
         self.lock = threading.Lock()
 
@@ -154,15 +231,26 @@ class HostedReplica:
         held, self.held = self.held, None
         if held is None:
             return []
+        log = self.log
         if not held.inputs.skipped:
             if held.slot is None:
                 raise ValueError(f"iteration {held.iteration} stepped without snapshots")
             step_replica(
                 self.optimizers, self.layout, self.slots[held.slot], held.filled, held.inputs,
-                held.iteration, self.cpu,
+                held.iteration, self.cpu, log.capture.on_ready_grads if log else None,
             )  # fmt: skip
         self.merged, self.record = held.iteration, held.record
+        if log is not None:
+            with self.cpu.measure("diff log record"):
+                log.append(held.iteration, held.record)
         return [] if held.slot is None else [held.slot]
+
+    def cpu_totals(self) -> dict[str, float]:
+        """CPU seconds by activity, the log's writer thread as ``"diff log write"``."""
+        totals = self.cpu.totals()
+        if self.log is not None:
+            totals["diff log write"] = self.log.writer.stats.cpu_seconds
+        return totals
 
 
 class HostedReplicas:
@@ -185,6 +273,9 @@ class HostedReplicas:
         self._copies: dict[tuple, HostedReplica] = {}
         self._lock = threading.RLock()  # a refused copy is dropped while it is held
         self._files = 0
+        self._logs: dict[tuple, ReplicaLog] = {}
+        """The diff logs this keeper writes, by rank: a log outlives the replica objects of its
+        chain (a rank's restart from this keeper's replica continues it)."""
 
     def handle(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """One ``replica_*`` request (``replica_copy_*``: from the previous node's keeper); the
@@ -197,7 +288,12 @@ class HostedReplicas:
             if op == "replica_close":
                 self._drop(self._replicas, key)
                 self._forward({"op": "replica_copy_close", "identity": req["identity"]})
+                log = self._logs.pop(key, None)
+                if log is not None:
+                    log.close()  # the job ended: the rank waits until its log is durable
                 return {"ok": True}, b""
+            if op == "replica_log_flush":
+                return {"durable": self._flush_log(key)}, b""
             replica = self._replicas.get(key)
             if replica is None and op == "replica_state":
                 replica = self._adopt(key, req["identity"])
@@ -231,7 +327,8 @@ class HostedReplicas:
             "released": released,
             "merged": replica.merged,
             "merge_s": time.perf_counter() - start,
-            "cpu": replica.cpu.totals(),
+            "cpu": replica.cpu_totals(),
+            "durable": replica.log.writer.durable_iteration if replica.log else None,
         }, b""
 
     def _open(self, key: tuple, req: dict, payload: bytearray) -> dict:
@@ -247,6 +344,7 @@ class HostedReplicas:
                 refused = self._install(self._replicas, key, replica, previous)
                 if refused:
                     return {"error": refused}
+                replica.log = self._log_for(key, req, replica.merged)
             finally:
                 if previous is not None:
                     previous.lock.release()
@@ -254,6 +352,45 @@ class HostedReplicas:
             header, body = copy_of(replica)
             self._forward({"op": "replica_copy_open", "identity": req["identity"], **header}, body)
         return {"ok": True, "merged": replica.merged}
+
+    # ----------------------------------------------------------------- the diff log
+    def _log_for(self, key: tuple, req: dict, iteration: int) -> ReplicaLog | None:
+        """The log a replica opened at ``iteration`` writes to: the rank's current one when the
+        chain continues it (a restart from this keeper's replica, a re-anchor at a base), else
+        a new one (``None``: the rank asked for none). With ``self._lock`` held."""
+        log = self._logs.get(key)
+        spec = req.get("log")
+        if log is not None and (spec is None or not log.continues(iteration)):
+            del self._logs[key]
+            log.close()  # its pending records first, then the new chain cuts what follows
+            log = None
+        if spec is not None and log is None:
+            log = self._logs[key] = ReplicaLog(spec, iteration, req["identity"])
+        return log
+
+    def _flush_log(self, key: tuple) -> int | None:
+        """Write what the rank's log holds and wait (before the rank cuts its log itself);
+        the newest durable iteration (``None``: no log)."""
+        log = self._logs.get(key)
+        return None if log is None else log.flush()
+
+    def published(self, key: tuple, base: int) -> None:
+        """A base of ``base`` is published for the rank ``key``: its log's durability counts
+        from it."""
+        log = self._logs.get(key)
+        if log is not None:
+            log.writer.rebase(base)
+
+    def close(self) -> None:
+        """The keeper stops: write what every log holds (a rank that died leaves its merged
+        iterations to storage)."""
+        with self._lock:
+            logs, self._logs = list(self._logs.values()), {}
+        for log in logs:
+            try:
+                log.close()
+            except Exception as exc:  # noqa: BLE001 - the others are still written
+                logger.warning("keeper: a diff log could not be written at its end: %s", exc)
 
     # ----------------------------------------------------------------- the ring
     def _forward(self, header: dict, payload: bytes = b"") -> None:
@@ -391,6 +528,7 @@ class HostedReplicas:
                     "merged": r.merged,
                     "held": r.held.iteration if r.held else None,
                     "bytes": r.nbytes,
+                    "durable": r.log.writer.durable_iteration if r.log else None,
                 }
                 for key, r in table.items()
             ]

@@ -57,6 +57,7 @@ from megatron_diffckpt.autotune import (
 from megatron_diffckpt.background import children_die_with_this_process
 from megatron_diffckpt.base_space import BaseSpace
 from megatron_diffckpt.capture import capture_rng, restore_rng
+from megatron_diffckpt.checkpoint_layout import CheckpointNotFoundError, find_latest_iteration
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
@@ -349,6 +350,7 @@ class DiffCheckpointManager:
             max(0.0, since_process_start - base_load_s),
         )
         if os.path.isdir(self.rank_dir):
+            self._quiesce_keepers_log()
             recovery.truncate_log(self.rank_dir, scan, target)
         recovery.fill_log(
             self.rank_dir,
@@ -357,6 +359,20 @@ class DiffCheckpointManager:
             [r for r in chain.records if scan.last_iteration < r.iteration <= target],
         )
         return last
+
+    def _quiesce_keepers_log(self) -> None:
+        """Before this rank cuts its diff log: when the node's keeper writes it (LowDiff+ with
+        its replica there), the keeper writes what it holds and then nothing more until this
+        rank opens its replica again, so nothing of an earlier attempt lands after the cut."""
+        if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica and self.keeper:
+            self.keeper.call({"op": "replica_log_flush"})
+
+    def _storage_tracker(self) -> int:
+        """The iteration storage's tracker names (0: none yet)."""
+        try:
+            return find_latest_iteration(self.save_dir)
+        except CheckpointNotFoundError:
+            return 0
 
     def _compressor_name(self) -> str:
         return make_compressor(self.config.compressor, self.config.topk_ratio).name
@@ -437,6 +453,7 @@ class DiffCheckpointManager:
             # differentials after ``iteration`` belong to an earlier incarnation and must never
             # be replayed into this one.
             scan = scan_rank_log(self.rank_dir, self.identity, iteration)
+            self._quiesce_keepers_log()
             recovery.truncate_log(self.rank_dir, scan, iteration)
         batch_size, diff_log = self.config.batch_size, True
         if self.config.auto_tune:
@@ -463,6 +480,20 @@ class DiffCheckpointManager:
                 "under examples/gpt/node_launcher.py --diffckpt-keeper-memory MIB); the "
                 "replica stays in this process"
             )
+        keeper_log = None
+        if in_keeper and not self.config.plus_no_diff_log:
+            # the keeper writes the diff log from its merges (keeper_replica.ReplicaLog)
+            keeper_log = {
+                "root": self.dir,
+                "compressor": self._compressor_name(),
+                "batch_size": batch_size,
+                "max_pending": self.config.max_pending,
+                "when_full": self.config.when_full,
+                "direct_io": not self.config.buffered_io,
+                "slow_hint": PLUS_SLOW_HINT,
+                # recovered from a keeper: storage's chain may end before (a peer's replica)
+                "durable": self._storage_tracker() if self._from_keeper is not None else None,
+            }
         if not (plus and (self.config.plus_no_diff_log or not diff_log or in_keeper)):
             self.writer = DiffLogWriter(
                 self.dir,
@@ -490,6 +521,7 @@ class DiffCheckpointManager:
                 trace_path=trace,
                 on_base_failed=self.base_failed,
                 keeper=self.keeper if in_keeper else None,
+                keeper_log=keeper_log,
             )
             if in_keeper and self._from_keeper is not None:
                 self.strategy.merger.resumed = self._from_keeper
@@ -712,6 +744,8 @@ class DiffCheckpointManager:
         self.space.published(iteration)
         if self.writer is not None:
             self.writer.rebase(iteration)
+        elif self._in_keeper:
+            self.keeper.published(iteration)  # the keeper's writer of this rank's diff log
         if self.tuner is not None:
             self._published[iteration] = time.perf_counter()
             self._observe_base(iteration)
@@ -726,7 +760,9 @@ class DiffCheckpointManager:
     def durable_iteration(self) -> int:
         if self.writer is not None:
             return self.writer.durable_iteration
-        return max(self._published_bases, default=0)
+        elsewhere = self.strategy.durable_elsewhere() if self.strategy is not None else None
+        return max(self._published_bases + ([elsewhere] if elsewhere is not None else []),
+                   default=0)  # fmt: skip
 
     def metrics(self, iteration: int) -> dict[str, float]:
         """What to watch while training, after ``iteration``. Any rank, local values.

@@ -90,6 +90,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             raised on every rank (a full disk); it re-raises what it does not handle.
         keeper: the node's keeper client when the replica and its merger live there
             (:mod:`~megatron_diffckpt.keeper_replica`; one more snapshot slot, in shared memory).
+        keeper_log: with ``keeper``, the settings of the diff log the keeper writes from its
+            merges (:class:`~megatron_diffckpt.keeper_replica.ReplicaLog`); ``None``: none.
     """
 
     name = "lowdiff-plus"
@@ -104,6 +106,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         trace_path: str | None = None,
         on_base_failed: Callable[[int, BaseException], None] | None = None,
         keeper: Any = None,
+        keeper_log: dict[str, Any] | None = None,
     ):
         if not model_chunks:
             raise ValueError(
@@ -134,7 +137,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.in_keeper = keeper is not None
         buffer = None
         if self.in_keeper:
-            keeper_merger = KeeperReplicaMerger(keeper, layout, cpu=self.cpu)
+            keeper_merger = KeeperReplicaMerger(keeper, layout, cpu=self.cpu, log=keeper_log)
             buffer, slots = keeper_merger.slot_buffer, slots + 1  # the keeper holds one
         self.snapshotter = BucketSnapshotter(
             shards,
@@ -364,6 +367,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             "slot_wait_ms": self.snapshotter.slot_wait_seconds * 1000.0,
             "copies_in_bubbles": summary["share_in_bubbles"],
         }
+
+    def durable_elsewhere(self) -> int | None:
+        """With the keeper writing this rank's diff log: the newest iteration it made durable
+        (as of the keeper's last reply)."""
+        return self.merger.durable if self.in_keeper else None
 
     def replica_view(self) -> Any:
         """The training optimizer seen through the replica (read only)."""

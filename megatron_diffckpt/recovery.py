@@ -26,7 +26,12 @@ from megatron_diffckpt.storage.format import (
     segment_filename,
     write_segment,
 )
-from megatron_diffckpt.storage.reader import RankLogScan, list_segments, read_segment_header
+from megatron_diffckpt.storage.reader import (
+    RankLogScan,
+    list_segments,
+    read_segment,
+    read_segment_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,18 +165,22 @@ def replay(
     return records[-1]
 
 
-def truncate_log(rank_dir: str, scan: RankLogScan, iteration: int) -> None:
-    """Make ``rank_dir`` end at ``iteration``, so new records can follow it. Any rank.
+def truncate_log(rank_dir: str, scan: RankLogScan | None, iteration: int) -> None:
+    """Make ``rank_dir`` end at ``iteration``, so new records can follow it. Any process.
 
     Segments after ``iteration`` are removed; one that straddles it is first rewritten with its
     records up to ``iteration`` (published atomically), so nothing durable at or before it is lost.
+    The straddling segment's records come from ``scan`` (the rank's chain, read for its
+    recovery); without one, from the segment itself.
     """
-    kept = {r.iteration: r for r in scan.records if r.iteration <= iteration}
+    kept = {r.iteration: r for r in scan.records if r.iteration <= iteration} if scan else {}
     for first, last, path in list_segments(rank_dir):
         if last <= iteration:
             continue
         if first <= iteration:
             old = read_segment_header(path)
+            if scan is None:
+                kept = {r.iteration: r for r in read_segment(path).records}
             prefix = [kept[i] for i in range(first, iteration + 1) if i in kept]
             if old is not None and len(prefix) == iteration - first + 1:
                 header = SegmentHeader(old.identity, old.compressor, first, iteration, len(prefix))

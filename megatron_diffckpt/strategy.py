@@ -99,6 +99,11 @@ class PerIterationStrategy(ABC):
         """A read-only optimizer view of a host replica, when the strategy keeps one."""
         return None
 
+    def durable_elsewhere(self) -> int | None:
+        """The newest iteration a diff log written outside this process made durable (the
+        node's keeper's), when the strategy has one written there; else ``None``."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Finish what is in flight (a pending base included) and unhook megatron."""

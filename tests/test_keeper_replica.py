@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
@@ -28,14 +29,16 @@ from test_keeper import (
     start_keeper,
 )
 
+from megatron_diffckpt.capture import record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.keeper import KeeperClient, query, stop
 from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
-from megatron_diffckpt.keeper_replica import HostedReplica
+from megatron_diffckpt.keeper_replica import HostedReplica, ReplicaLog
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe, initial_adam_state
 from megatron_diffckpt.snapshot import BucketSnapshotter
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
+from megatron_diffckpt.storage.reader import list_segments, scan_rank_log
 
 SHAPES = [(3, 4), (5,)]
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
@@ -183,6 +186,77 @@ def test_a_rank_hands_iterations_to_a_keeper_process_and_reads_its_replica(tmp_p
         proc.wait(30)
 
 
+def _log_spec(root: Path, batch_size: int = 1, durable: int | None = None) -> dict:
+    return {
+        "root": str(root), "compressor": "none", "batch_size": batch_size, "max_pending": 2,
+        "when_full": "block", "direct_io": True, "slow_hint": "", "durable": durable,
+    }  # fmt: skip
+
+
+def _counters(iteration: int) -> bytes:
+    """A rank's hand-over record: its counters and (some) RNG states."""
+    rng = {"rng.torch": torch.get_rng_state()}
+    scalars = {"scheduler_steps": iteration, "consumed_samples": 4 * iteration, "rng.tracker": []}
+    return encode_record(DiffRecord(iteration, scalars, rng))
+
+
+IDENTITY = SegmentIdentity("run", 0, 0, 1, "layout")
+
+
+def test_the_keeper_writes_the_diff_log_from_its_merges_which_replays_to_training(tmp_path):
+    """Every iteration the keeper merges is a record of the rank's diff log on storage, and
+    replaying those records onto the state they follow gives training's state bit for bit; the
+    log is one behind (the held input is written once merged) and durable after a flush."""
+    train = _training_optimizer()
+    (tmp_path / "shm").mkdir()
+    hosted, buffers = _hosted(tmp_path / "shm", train)
+    hosted.log = ReplicaLog(_log_spec(tmp_path / "diffckpt", batch_size=2), 0, asdict(IDENTITY))
+    for it in (1, 2, 3, 4, 5):
+        hosted.take(_step(train, buffers[it % 2], it), _counters(it))
+    rank_dir = str(tmp_path / "diffckpt" / IDENTITY.dirname())
+    assert hosted.log.flush() == 4  # merged 1-4 (the partial batch 3-4 written too), holds 5
+    hosted.flush(5)
+    assert hosted.log.flush() == 5
+    records = scan_rank_log(rank_dir, IDENTITY, 0).records
+    assert [r.iteration for r in records] == [1, 2, 3, 4, 5]
+    assert records[2].scalars["consumed_samples"] == 12 and "rng.torch" in records[0].tensors
+    replayed = _training_optimizer()
+    for record in records:
+        set_step_inputs(0, replayed, record, record_grads(record))
+        replayed.step()
+    for p_train, p_rep in zip(
+        train.param_groups[0]["params"], replayed.param_groups[0]["params"], strict=True
+    ):
+        assert torch.equal(p_train, p_rep)
+        for key, value in train.state[p_train].items():
+            assert torch.equal(value, replayed.state[p_rep][key]), key
+    hosted.log.close()
+
+
+def test_a_new_chain_in_the_keepers_log_cuts_what_an_older_attempt_wrote_after_it(tmp_path):
+    """A log opened at iteration 3 on a folder holding 1-6 (an attempt whose records after 3
+    are not this chain's) keeps 1-3, removes the rest (a segment straddling 3 rewritten), and
+    until a base after the gap is published counts only what storage is known to hold."""
+    root = tmp_path / "diffckpt"
+    train = _training_optimizer()
+    (tmp_path / "shm").mkdir()
+    hosted, buffers = _hosted(tmp_path / "shm", train)
+    hosted.log = ReplicaLog(_log_spec(root, batch_size=2), 0, asdict(IDENTITY))
+    for it in range(1, 8):
+        hosted.take(_step(train, buffers[it % 2], it), _counters(it))
+    assert hosted.log.flush() == 6
+    hosted.log.close()
+    rank_dir = str(root / IDENTITY.dirname())
+    assert [(f, last) for f, last, _ in list_segments(rank_dir)] == [(1, 2), (3, 4), (5, 6)]
+    log = ReplicaLog(_log_spec(root, durable=2), 3, asdict(IDENTITY))
+    assert [(f, last) for f, last, _ in list_segments(rank_dir)] == [(1, 2), (3, 3)]
+    assert [r.iteration for r in scan_rank_log(rank_dir, IDENTITY, 0).records] == [1, 2, 3]
+    assert log.writer.durable_iteration == 2 and log.continues(3) and not log.continues(4)
+    log.writer.rebase(3)
+    assert log.writer.durable_iteration == 3
+    log.close()
+
+
 def test_a_replica_over_the_keepers_cap_is_refused_naming_the_flag(tmp_path):
     sock = str(tmp_path / "keeper.sock")
     proc = start_keeper(sock, "--memory-mib", "0.0001")
@@ -273,7 +347,8 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     """SIGKILL of both ranks after iteration 11 (bases every 5): the restart recovers, from
     the keepers, the newest iteration rank 0 logged or the next (storage holds base 10). Then
     the whole launcher, keeper included, dies after 17: the next launch's keeper is empty, and
-    the job recovers from storage's newest base."""
+    the job recovers from storage: the newest published base, then the diff log the keepers
+    wrote, to the newest iteration both ranks' logs hold."""
     common, plus = _keeper_job(tmp_path, total=40, full_interval=5)
     proc, lines = _launch([*common, *plus])
     try:
@@ -297,13 +372,25 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     before = _last_logged(first[: got.start()])
     assert 11 <= before <= int(got[1]) <= before + 1  # nothing a keeper acknowledged is lost
     assert "loaded checkpoint from" not in first
+    # the keepers wrote each rank's diff log (the ranks write none in this mode): its segments
+    # reach well past base 10 (iteration 12 was merged long before the kill after 17)
+    for rank_dir in (tmp_path / "ckpt" / "diffckpt").glob("rank_*"):
+        ends = [int(p.name.split("_")[2].split(".")[0]) for p in rank_dir.glob("seg_*.bin")]
+        assert max(ends, default=0) >= 12, (rank_dir, sorted(ends))
     proc, lines = _launch([*common, *plus])
     log = _finish(proc, lines)
     assert "recovery: the node keepers hold no replica: recovering from storage" in log
     base = re.search(r"loaded checkpoint from \S+ at iteration (\d+)", log)
     # storage's newest published base (one still being written when the job died is not)
     assert base is not None and int(base[1]) % 5 == 0 and int(base[1]) >= 5, log[-3000:]
-    _assert_ends_as_straight(tmp_path, int(base[1]))
+    got = re.findall(
+        r"recovery: base at iteration (\d+), \d+ differential\(s\) to replay, recovering to "
+        r"iteration (\d+) \(this rank's log reaches (\d+)",
+        log,
+    )
+    # (rank 0 logs it) the newest iteration every rank's log holds, replayed
+    assert len(got) == 1 and got[0][0] == base[1] and int(got[0][1]) <= int(got[0][2]), got
+    _assert_ends_as_straight(tmp_path, int(got[0][1]))
 
 
 @pytest.mark.distributed
@@ -318,7 +405,7 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
        T2, no less than what node 0's keeper held of both when node 1 died;
     3. after 31, everything: fresh keepers hold nothing, storage's newest published base serves
        (a base still being written when the job dies is not one), no older than the newest
-       rank 0 logged published.
+       rank 0 logged published, and the diff log the keepers wrote after it.
 
     The run ends equal to an uninterrupted one (``torch.equal``, state and losses)."""
     common, plus = _keeper_job(tmp_path, total=40, full_interval=10)
@@ -358,4 +445,12 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
     )
     assert len(base) == 1 and int(base[0]) in (0, 10, 20, 30), base
     assert int(base[0]) >= max(map(int, published)), (base, published)
-    _assert_ends_as_straight(tmp_path, int(base[0]))
+    # then the diff log the keepers wrote (node 1's new keeper continued its rank's log from
+    # the adopted replica on): rank 0 logs the newest iteration every rank's log holds
+    got = re.findall(
+        r"recovery: base at iteration (\d+), \d+ differential\(s\) to replay, recovering to "
+        r"iteration (\d+) \(this rank's log reaches (\d+)",
+        text.split(to_storage)[1],
+    )
+    assert len(got) == 1 and got[0][0] == base[0] and int(got[0][1]) <= int(got[0][2]), got
+    _assert_ends_as_straight(tmp_path, int(got[0][1]))

@@ -108,6 +108,9 @@ class DiffLogWriter:
         slow_hint: what to do when storage cannot keep up, for the warning that says so (once
             per writer, the first time a hand-over waits for it).
         keeper: the node's keeper, handed every record before storage (``None``: storage only).
+        durable_from: the newest iteration storage is known to hold when that is before
+            ``chain_start`` (a chain that resumes after a gap: its segments count once a base
+            after the gap is published, :meth:`rebase`); default ``chain_start``.
         direct_io: write segments with direct I/O where the filesystem takes it
             (:class:`~megatron_diffckpt.durable_io.StagedPublisher`; ``False``: through the page
             cache). Either way the writer holds one page-aligned staging buffer of the largest
@@ -129,6 +132,7 @@ class DiffLogWriter:
         slow_hint: str = "a larger --diffckpt-batch-size spreads each write's fixed cost",
         keeper: KeeperClient | None = None,
         direct_io: bool = True,
+        durable_from: int | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -153,7 +157,7 @@ class DiffLogWriter:
         self._next_iteration = chain_start + 1
         # The chain: every iteration in (base, _durable] is published. Segments published beyond a
         # gap (a skipped batch) wait in _after_gap until a rebase() or the gap's filling joins them.
-        self._durable = chain_start
+        self._durable = chain_start if durable_from is None else min(durable_from, chain_start)
         self._after_gap: list[tuple[int, int]] = []
         self._samples: deque[SegmentSample] = deque(maxlen=256)
         self._full_since: int | None = None  # first iteration skipped for a full disk
@@ -185,6 +189,11 @@ class DiffLogWriter:
         self._batch.append(record)
         if len(self._batch) >= self.batch_size:
             self._submit()
+
+    @property
+    def next_iteration(self) -> int:
+        """The iteration the next :meth:`append` takes."""
+        return self._next_iteration
 
     @property
     def kept_iteration(self) -> int | None:
