@@ -17,7 +17,10 @@ One invocation; the configurations run interleaved round by round (the order rot
 - ``plus_log``: LowDiff+ in the ranks with the dense diff log (today's per-iteration
   recoverability from storage);
 - ``plus_keeper``: LowDiff+ with its replica and merger in the node's keeper
-  (``--diffckpt-plus-keeper-replica`` under the node launcher);
+  (``--diffckpt-plus-keeper-replica`` under the node launcher), which also writes the dense
+  diff log from its merges (per-iteration recoverability from storage too, as ``plus_log``);
+- ``plus_keeper_bases``: the same without the diff log (``--diffckpt-plus-no-diff-log``: the
+  keepers' memory and the bases only);
 - ``lowdiff``: LowDiff (top-k exchange) with storage only, as without a keeper;
 - ``lowdiff_keeper``: LowDiff under the node launcher: every differential and every base also
   in the node's keeper.
@@ -85,6 +88,10 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
         "plus_bases": ([*plus, "--diffckpt-plus-no-diff-log"], False),
         "plus_log": (plus, False),
         "plus_keeper": ([*plus, "--diffckpt-plus-keeper-replica"], True),
+        "plus_keeper_bases": (
+            [*plus, "--diffckpt-plus-keeper-replica", "--diffckpt-plus-no-diff-log"],
+            True,
+        ),
         "lowdiff": (lowdiff, False),
         "lowdiff_keeper": (lowdiff, True),
     }
@@ -160,6 +167,10 @@ def measure(work: Path, size: str, repeats: int) -> dict:
             "storage_over_keeper_recovery": rec["plus_log"] / rec["plus_keeper"],
             "keeper_over_plus_bases": med["plus_keeper"] / med["plus_bases"] - 1.0,
             "keeper_over_none": med["plus_keeper"] / med["none"] - 1.0,
+            # the keepers writing the log against the ranks writing it (both per-iteration
+            # recoverable from storage)
+            "keeper_over_plus_log": med["plus_keeper"] / med["plus_log"] - 1.0,
+            "keeper_bases_over_none": med["plus_keeper_bases"] / med["none"] - 1.0,
             "plus_log_over_none": med["plus_log"] / med["none"] - 1.0,
             "plus_bases_over_none": med["plus_bases"] / med["none"] - 1.0,
             "lowdiff_storage_over_keeper_recovery": rec["lowdiff"] / rec["lowdiff_keeper"],
@@ -206,8 +217,9 @@ def main() -> int:
     print(
         f"LowDiff+ recovery: storage {rec['plus_log']:.3f} s, keepers {rec['plus_keeper']:.3f} s "
         f"({s['storage_over_keeper_recovery']:.1f}x); iteration: keepers "
-        f"{100 * s['keeper_over_plus_bases']:+.1f}% over LowDiff+ in the ranks (bases only), "
-        f"{100 * s['keeper_over_none']:+.1f}% over none\n"
+        f"{100 * s['keeper_over_plus_log']:+.1f}% over LowDiff+ in the ranks (both with the "
+        f"diff log), {100 * s['keeper_over_none']:+.1f}% over none (without the log "
+        f"{100 * s['keeper_bases_over_none']:+.1f}%)\n"
         f"LowDiff recovery: storage {rec['lowdiff']:.3f} s, keepers {rec['lowdiff_keeper']:.3f} s "
         f"({s['lowdiff_storage_over_keeper_recovery']:.1f}x); iteration: keepers "
         f"{100 * s['lowdiff_keeper_over_lowdiff']:+.1f}% over LowDiff without them; wrote {out}"
