@@ -96,7 +96,10 @@ def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Pope
         cmd += ["--peers", opts[PEERS_FLAG], "--node", str(node), "--nnodes", str(nnodes)]
         if os.environ.get("DIFFCKPT_KEEPER_HOST"):
             cmd += ["--host", os.environ["DIFFCKPT_KEEPER_HOST"]]
-    keeper = subprocess.Popen(cmd)
+    from megatron_diffckpt.failpoints import ENV as FAILPOINT_ENV
+
+    # fail points kill ranks (the keeper writes LowDiff+'s diff log, but is no rank)
+    keeper = subprocess.Popen(cmd, env={k: v for k, v in os.environ.items() if k != FAILPOINT_ENV})
     deadline = time.monotonic() + KEEPER_START_S
     while not os.path.exists(sock):
         if keeper.poll() is not None or time.monotonic() > deadline:
