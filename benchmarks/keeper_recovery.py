@@ -23,21 +23,24 @@ One invocation; the configurations run interleaved round by round (the order rot
   keepers' memory and the bases only);
 - ``lowdiff``: LowDiff (top-k exchange) with storage only, as without a keeper;
 - ``lowdiff_keeper``: LowDiff under the node launcher: every differential and every base also
-  in the node's keeper.
+  in the node's keeper;
+- ``lowdiff_keeper_replica``: the same with ``--diffckpt-keeper-replica``: the keeper also
+  steps a copy of the newest kept base with every differential, one behind.
 
 In ``plus_log`` and ``plus_keeper``, rank 1 is SIGKILLed before it hands iteration ``KILL_AT``
 over (fail point ``plus-hand-over``); torchrun restarts both ranks, which recover the newest
 iteration every rank has, ``KILL_AT - 1``: ``plus_log`` from storage (the base of
 ``BASE_INTERVAL`` loaded, the differentials after it read and replayed; the files are those the
 killed job just wrote, so the page cache holds them: storage at its fastest), ``plus_keeper``
-from the keepers (nothing read from storage, nothing replayed). In ``lowdiff`` and
-``lowdiff_keeper`` rank 1 is SIGKILLed once it handed iteration ``KILL_AT - 1`` over (fail point
-``iteration-end``), so both recover the same iteration: ``lowdiff`` from storage (base
-``BASE_INTERVAL`` loaded, its differentials read and replayed), ``lowdiff_keeper`` from the
-keepers (their base of ``BASE_INTERVAL``, their differentials replayed; nothing read from
-storage; ``lowdiff`` reaches ``KILL_AT - 1`` only if the writer had made it durable, else
-one iteration less: the iteration the keepers save). The recovery time is the example's own
-``recovered to iteration T in X s``: from before loading to ready to train.
+from the keepers (nothing read from storage, nothing replayed). In ``lowdiff``,
+``lowdiff_keeper`` and ``lowdiff_keeper_replica`` rank 1 is SIGKILLed once it handed iteration
+``KILL_AT - 1`` over (fail point ``iteration-end``), so all recover the same iteration:
+``lowdiff`` from storage (base ``BASE_INTERVAL`` loaded, its differentials read and replayed),
+``lowdiff_keeper`` from the keepers (their base of ``BASE_INTERVAL``, their differentials
+replayed; nothing read from storage), ``lowdiff_keeper_replica`` from the keepers' replicas
+(nothing read, nothing replayed); ``lowdiff`` reaches ``KILL_AT - 1`` only if the writer had
+made it durable, else one iteration less (the iteration the keepers save). The recovery time is
+the example's own ``recovered to iteration T in X s``: from before loading to ready to train.
 
 Per-iteration time: the median over the first attempt's iterations after ``WARMUP``, without
 those that write a base; per configuration, the median over rounds. Results go to
@@ -94,6 +97,7 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
         ),
         "lowdiff": (lowdiff, False),
         "lowdiff_keeper": (lowdiff, True),
+        "lowdiff_keeper_replica": ([*lowdiff, "--diffckpt-keeper-replica"], True),
     }
 
 
@@ -102,6 +106,7 @@ KILLED = {  # configuration -> the fail point that kills rank 1
     "plus_keeper": f"plus-hand-over:{KILL_AT}@1",
     "lowdiff": f"iteration-end:{KILL_AT - 1}@1",
     "lowdiff_keeper": f"iteration-end:{KILL_AT - 1}@1",
+    "lowdiff_keeper_replica": f"iteration-end:{KILL_AT - 1}@1",
 }
 
 
@@ -175,12 +180,16 @@ def measure(work: Path, size: str, repeats: int) -> dict:
             "plus_bases_over_none": med["plus_bases"] / med["none"] - 1.0,
             "lowdiff_storage_over_keeper_recovery": rec["lowdiff"] / rec["lowdiff_keeper"],
             "lowdiff_keeper_over_lowdiff": med["lowdiff_keeper"] / med["lowdiff"] - 1.0,
+            "lowdiff_storage_over_replica_recovery": (
+                rec["lowdiff"] / rec["lowdiff_keeper_replica"]
+            ),
+            "lowdiff_replica_over_lowdiff": (med["lowdiff_keeper_replica"] / med["lowdiff"] - 1.0),
             "lowdiff_over_none": med["lowdiff"] / med["none"] - 1.0,
             # LowDiff+: the same state from both tiers; LowDiff from storage: the iteration
             # its writer had made durable (the keepers hold every one handed over)
             "same_state": all(
                 r["recovery"]["iteration"] == KILL_AT - 1
-                for n in ("plus_log", "plus_keeper", "lowdiff_keeper")
+                for n in ("plus_log", "plus_keeper", "lowdiff_keeper", "lowdiff_keeper_replica")
                 for r in runs[n]
             ),
             "lowdiff_storage_recovered": [r["recovery"]["iteration"] for r in runs["lowdiff"]],
@@ -222,7 +231,10 @@ def main() -> int:
         f"{100 * s['keeper_bases_over_none']:+.1f}%)\n"
         f"LowDiff recovery: storage {rec['lowdiff']:.3f} s, keepers {rec['lowdiff_keeper']:.3f} s "
         f"({s['lowdiff_storage_over_keeper_recovery']:.1f}x); iteration: keepers "
-        f"{100 * s['lowdiff_keeper_over_lowdiff']:+.1f}% over LowDiff without them; wrote {out}"
+        f"{100 * s['lowdiff_keeper_over_lowdiff']:+.1f}% over LowDiff without them; with the "
+        f"keepers' replicas {rec['lowdiff_keeper_replica']:.3f} s "
+        f"({s['lowdiff_storage_over_replica_recovery']:.1f}x), iteration "
+        f"{100 * s['lowdiff_replica_over_lowdiff']:+.1f}%; wrote {out}"
     )
     return 0
 

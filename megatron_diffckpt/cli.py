@@ -164,7 +164,7 @@ def _print_keeper(k: dict) -> None:
     held = (k["bytes"] + k.get("reserved", 0)) / 2**20
     print(
         f"keeper {k['socket']}: {k['records']} record(s) of {k['ranks']} rank(s), "
-        f"{len(k.get('replicas', []))} LowDiff+ replica(s), {len(k.get('bases', []))} "
+        f"{len(k.get('replicas', []))} replica(s), {len(k.get('bases', []))} "
         f"LowDiff base(s), {held:.1f} of "
         f"{k['memory'] / 2**20:.1f} MiB, {k['evicted']} evicted"
     )
@@ -175,8 +175,10 @@ def _print_keeper(k: dict) -> None:
         )
     for r in k.get("replicas", []):
         also = f", holds the input of {r['held']}" if r["held"] is not None else ""
+        if r.get("durable") is not None:  # the diff log the keeper writes for the rank
+            also += f", its diff log durable to {r['durable']}"
         print(
-            f"  rank_{r['tp_rank']}_{r['pp_rank']}_{r['dp_rank']}: LowDiff+ replica at "
+            f"  rank_{r['tp_rank']}_{r['pp_rank']}_{r['dp_rank']}: {r['system']} replica at "
             f"iteration {r['merged']}{also}, {r['bytes'] / 2**20:.1f} MiB (run {r['run_id'][:8]})"
         )
 

@@ -101,6 +101,13 @@ class DiffCkptConfig:
     and residuals per base; held within --diffckpt-keeper-memory), so that a restart whose
     ranks all find it reads no base from storage."""
 
+    keeper_replica: bool = False
+    """lowdiff under a node launcher with a keeper: the keeper also steps a copy of each rank's
+    newest kept base with every differential the rank hands over (one iteration behind), so
+    that a restart takes the state at the recovered iteration from it and replays nothing. It
+    costs the keeper one optimizer step per iteration and one more host copy of the optimizer
+    shard and residuals (held within --diffckpt-keeper-memory)."""
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise DiffCkptUsageError(f"--diffckpt-mode must be one of {MODES}, got {self.mode!r}")
@@ -137,6 +144,12 @@ class DiffCkptConfig:
                 "--diffckpt-plus-keeper-replica is for --diffckpt-mode lowdiff-plus without "
                 "--diffckpt-auto-tune (the keeper writes the diff log; the tuner measures the "
                 "ranks' writer)"
+            )
+        if self.keeper_replica and (self.mode != "lowdiff" or self.keeper_no_base):
+            raise DiffCkptUsageError(
+                "--diffckpt-keeper-replica is for --diffckpt-mode lowdiff without "
+                "--diffckpt-keeper-no-base (the replica starts from each base kept in the "
+                "keeper; lowdiff-plus has --diffckpt-plus-keeper-replica)"
             )
         if not 0.0 < self.topk_ratio <= 1.0:
             raise DiffCkptUsageError(

@@ -138,6 +138,11 @@ class KeptBases:
                 self._remove_files(b.files)
         return {"ok": True, "held": [b.iteration for b in kept]}
 
+    def get(self, key: tuple, iteration: int) -> KeptBase | None:
+        """The rank ``key``'s kept base of ``iteration``, if held."""
+        with self._lock:
+            return next((b for b in self._bases.get(key, []) if b.iteration == iteration), None)
+
     def drop_from(self, key: tuple, iteration: int) -> None:
         """The rank ``key`` trains ``iteration`` (again): a kept base at or after it is of an
         attempt that did not recover to it, never to be served."""
@@ -227,8 +232,11 @@ class BaseStager:
     the step's hook. Then the keeper's reply is the acknowledgement.
     """
 
-    def __init__(self, client: Any):
+    def __init__(self, client: Any, replica: bool = False):
         self.client = client
+        self.replica = replica
+        """Ask the keeper to step a replica from each base on (``--diffckpt-keeper-replica``:
+        :meth:`~megatron_diffckpt.keeper_replica.HostedReplicas.roll_from`)."""
         self._thread: threading.Thread | None = None
         self._result = ""
         self.seconds = 0.0
@@ -293,6 +301,7 @@ class BaseStager:
             "iteration": record.iteration,
             "optimizers": describe(optimizers, arena.spec),
             "residuals": residuals,
+            "replica": self.replica,
         }
         reply = self.client.call(request, encode_record(record))
         if reply is None:

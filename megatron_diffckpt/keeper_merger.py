@@ -24,7 +24,13 @@ from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, _replica_of
-from megatron_diffckpt.shared_replica import SharedArena, build, describe, initial_adam_state
+from megatron_diffckpt.shared_replica import (
+    SharedArena,
+    build,
+    describe,
+    initial_adam_state,
+    map_tensor,
+)
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
 
@@ -208,31 +214,42 @@ def recover_from_keepers(
     publish: Any,
     rng_tracker: Any,
     all_reduce_min: Any,
+    floor: int = 0,
+    ceiling: int | None = None,
+    residuals: Any = None,
+    fallback: str = "storage",
 ) -> tuple[int, DiffRecord, float, list[Any], str] | None:
     """Recover this rank from its keeper's replica, when every rank can. All ranks, together.
 
     ``client`` is this rank's keeper client (``None``: none runs); ``publish()`` makes the
     model's parameters follow the copied main parameters (collective); ``all_reduce_min`` is
-    :func:`~megatron_diffckpt.recovery.all_reduce_min`. Returns ``(iteration, its record, the
-    seconds it took, the replica's description, the tier that held it)``, or ``None`` when
-    some rank's keeper cannot reach the iteration every rank reaches (then every rank recovers
-    from storage).
+    :func:`~megatron_diffckpt.recovery.all_reduce_min`. LowDiff's replicas
+    (``--diffckpt-keeper-replica``): the iteration must be at least ``floor`` (storage's newest
+    base) and at most ``ceiling`` (this rank's chain end, so that storage's log can be made to
+    reach it), and the replica's error-feedback ``residuals`` are loaded too. Returns
+    ``(iteration, its record, the seconds it took, the replica's description, the tier that
+    held it)``, or ``None`` when some rank's keeper cannot reach the iteration every rank
+    reaches (then every rank recovers from ``fallback``, as the log line says).
     """
     start = time.perf_counter()
     reply = client.call({"op": "replica_state"}) if client is not None else None
     held = reply[0].get("replica") if reply is not None else None
     low, high = (held["low"], held["high"]) if held else (-1, -1)
+    if ceiling is not None:
+        high = min(high, ceiling)
     # every rank reaches T = MIN(high) when every rank holds one and MAX(low) <= T: one MIN
     target, minus_low, everyone = all_reduce_min([high, -low, int(held is not None)])
-    if not (everyone and target >= 0 and -minus_low <= target):
+    if not (everyone and target >= max(floor, 0) and -minus_low <= target):
         if target < 0:
-            logger.info("recovery: the node keepers hold no replica: recovering from storage")
+            logger.info("recovery: the node keepers hold no replica: recovering from %s", fallback)
         else:
             logger.info(
-                "recovery: not every rank's keeper reaches iteration %d (this rank's: %s): "
-                "recovering from storage",
+                "recovery: not every rank's keeper reaches iteration %d (this rank's: %s; "
+                "at least %d): recovering from %s",
                 target,
                 f"{low}-{high}" if held else "none",
+                floor,
+                fallback,
             )
         return None
     records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
@@ -241,6 +258,8 @@ def recover_from_keepers(
         raise RuntimeError(f"the node's keeper could not settle at {target}: {settled}")
     replicas = build(held["optimizers"])
     load_replica(torch_optimizers, replicas)
+    if residuals is not None and held.get("residuals"):
+        residuals.load_state_dict({k: map_tensor(s) for k, s in held["residuals"].items()})
     publish()
     restore_rng([records[target]], rng_tracker)
     seconds = time.perf_counter() - start

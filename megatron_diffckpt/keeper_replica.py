@@ -53,12 +53,21 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.background import CpuMeter
-from megatron_diffckpt.capture import GradShardCapture
+from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.recovery import truncate_log
-from megatron_diffckpt.replica_merger import ParamSlice, ShardLayout, StepInputs, step_replica
+from megatron_diffckpt.replica_merger import (
+    ParamSlice,
+    ShardLayout,
+    StepInputs,
+    _replica_of,
+    step_replica,
+)
 from megatron_diffckpt.shared_replica import (
+    SharedArena,
     build,
+    describe,
     files_of,
+    initial_adam_state,
     map_tensor,
     nbytes_of,
     packed,
@@ -67,7 +76,12 @@ from megatron_diffckpt.shared_replica import (
     tensor_from,
     tensors_of,
 )
-from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, iter_records
+from megatron_diffckpt.storage.format import (
+    DiffRecord,
+    SegmentIdentity,
+    encode_record,
+    iter_records,
+)
 from megatron_diffckpt.storage.writer import DiffLogWriter
 
 logger = logging.getLogger(__name__)
@@ -82,6 +96,8 @@ class _Held:
     filled: set[str]
     inputs: StepInputs
     record: bytes
+    differential: DiffRecord | None = None
+    """LowDiff: the differential itself (the step input), in place of a slot's snapshots."""
 
 
 class ReplicaLog:
@@ -182,6 +198,11 @@ class HostedReplica:
         self.merged = int(request["iteration"])
         self.record = record  # the counters and RNG states at ``merged`` (b"": none)
         self.held: _Held | None = None
+        self.rng: dict[str, torch.Tensor] | None = None
+        """LowDiff's replica (stepped with differentials): every generator's newest state (a
+        differential holds only those that moved), from the base's on; ``None``: LowDiff+'s."""
+        self.residuals: dict[str, Any] | None = None
+        """LowDiff's replica: the specs of its base's error-feedback residuals (its slot 0)."""
         self.log: ReplicaLog | None = None
         """Where merged iterations are written to storage (set by the keeper on open; a ring
         copy has none)."""
@@ -202,6 +223,19 @@ class HostedReplica:
         )
         self.held = _Held(iteration, request["slot"], set(request["filled"]), inputs, record)
         return released
+
+    def take_differential(self, payload: bytes) -> None:
+        """LowDiff: hold the differential ``payload`` (one encoded record, the step input
+        itself), after merging the one held before. Its record for a recovery carries every
+        generator's state (the ones it left out have not moved since the replica's last)."""
+        differential = next(iter_records(io.BytesIO(payload)))
+        expected = (self.held.iteration if self.held else self.merged) + 1
+        if self.rng is None or differential.iteration != expected:
+            raise ValueError(f"handed iteration {differential.iteration}, expected {expected}")
+        self._merge_held()
+        rng = {**self.rng, **_rng_of(differential)}
+        full = encode_record(DiffRecord(differential.iteration, differential.scalars, rng))
+        self.held = _Held(differential.iteration, None, set(), StepInputs(), full, differential)
 
     def flush(self, through: int) -> list[int]:
         """Merge the held iteration if it is at most ``through``; the slots given back."""
@@ -231,6 +265,10 @@ class HostedReplica:
         held, self.held = self.held, None
         if held is None:
             return []
+        if held.differential is not None:
+            self._step_differential(held.differential)
+            self.merged, self.record = held.iteration, held.record
+            return []
         log = self.log
         if not held.inputs.skipped:
             if held.slot is None:
@@ -244,6 +282,22 @@ class HostedReplica:
             with self.cpu.measure("diff log record"):
                 log.append(held.iteration, held.record)
         return [] if held.slot is None else [held.slot]
+
+    @torch.no_grad()
+    def _step_differential(self, differential: DiffRecord) -> None:
+        """The optimizer step a recovery's replay of ``differential`` runs, on the replica."""
+        with self.cpu.measure("merge step"):
+            if not differential.scalars["skipped"]:
+                grads = record_grads(differential)
+                for i, opt in enumerate(self.optimizers):
+                    if opt is None:
+                        continue
+                    set_step_inputs(i, opt, differential, grads)
+                    opt.step()
+                    for group in opt.param_groups:
+                        for p in group["params"]:
+                            p.grad = None
+        self.rng.update(_rng_of(differential))
 
     def cpu_totals(self) -> dict[str, float]:
         """CPU seconds by activity, the log's writer thread as ``"diff log write"``."""
@@ -320,7 +374,8 @@ class HostedReplicas:
             low, high = replica.offer()
             records = replica.record + (replica.held.record if replica.held else b"")
             doc = {"low": low, "high": high, "merged": replica.merged, "tier": replica.tier}
-            return {"replica": {**doc, "optimizers": replica.description}}, records
+            doc.update(optimizers=replica.description, residuals=replica.residuals)
+            return {"replica": doc}, records
         else:
             return {"error": f"unknown request {op!r}"}, b""
         return {
@@ -352,6 +407,66 @@ class HostedReplicas:
             header, body = copy_of(replica)
             self._forward({"op": "replica_copy_open", "identity": req["identity"], **header}, body)
         return {"ok": True, "merged": replica.merged}
+
+    # ----------------------------------------------------------------- LowDiff's replica
+    def roll_from(self, key: tuple, base: Any) -> None:
+        """LowDiff (``--diffckpt-keeper-replica``): from the kept ``base`` (a
+        :class:`~megatron_diffckpt.keeper_base.KeptBase` just put) on, a replica in files of
+        its own (the shard and the base's residuals copied) that every differential the rank
+        hands over steps, one behind (:meth:`roll`), in place of the rank's previous one."""
+        arena = SharedArena(self.folder)
+        try:
+            optimizers = [
+                None if o is None else _replica_of(o, arena.copy, prefix=f"o{i}.")
+                for i, o in enumerate(build(base.optimizers))
+            ]
+            for opt in optimizers:
+                if opt is not None:
+                    initial_adam_state(opt, arena.copy)  # state Adam makes lazily: shared too
+            residuals = {
+                k: arena.spec(arena.copy(map_tensor(spec))) for k, spec in base.residuals.items()
+            }
+            request = {
+                "iteration": base.iteration,
+                "optimizers": describe(optimizers, arena.spec),
+                "layout": [],
+                "slots": [residuals] if residuals else [],
+            }
+        except (OSError, RuntimeError, ValueError):
+            self._remove_files({spec["file"] for spec in arena.specs.values()})
+            raise
+        with self._lock:
+            previous = self._replicas.get(key)
+            if previous is not None:
+                previous.lock.acquire()
+            try:
+                replica = HostedReplica(request, base.record, None)
+                counters = next(iter_records(io.BytesIO(base.record)))
+                replica.rng, replica.residuals = _rng_of(counters), residuals
+                refused = self._install(self._replicas, key, replica, previous)
+            finally:
+                if previous is not None:
+                    previous.lock.release()
+        if refused:
+            logger.warning("keeper: no replica of %s past base %d: %s", _who(key), base.iteration,
+                           refused)  # fmt: skip
+
+    def roll(self, key: tuple, payload: bytes | bytearray) -> None:
+        """LowDiff: step the rank's replica with the differential it handed over (``payload``,
+        the keeper holds it already), one behind; a differential that does not follow the
+        replica (a restart that recovered elsewhere) ends it until the next base."""
+        replica = self._replicas.get(key)
+        if replica is None or replica.rng is None:
+            return
+        with replica.lock:
+            try:
+                replica.take_differential(bytes(payload))
+                return
+            except (ValueError, KeyError, RuntimeError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        logger.info("keeper: the replica of %s ends (%s); the next base starts one", _who(key),
+                    why)  # fmt: skip
+        self._drop(self._replicas, key)
 
     # ----------------------------------------------------------------- the diff log
     def _log_for(self, key: tuple, req: dict, iteration: int) -> ReplicaLog | None:
@@ -478,12 +593,9 @@ class HostedReplicas:
             if refused:
                 logger.warning("keeper: the peer's copy does not fit here: %s", refused)
                 return None
-        who = dict(key)
         logger.info(
-            "keeper: adopted the replica of rank_%d_%d_%d at iteration %d%s from %s",
-            who["tp_rank"],
-            who["pp_rank"],
-            who["dp_rank"],
+            "keeper: adopted the replica of %s at iteration %d%s from %s",
+            _who(key),
             replica.merged,
             f" (holding the input of {replica.held.iteration})" if replica.held else "",
             replica.tier,
@@ -529,11 +641,21 @@ class HostedReplicas:
                     "held": r.held.iteration if r.held else None,
                     "bytes": r.nbytes,
                     "durable": r.log.writer.durable_iteration if r.log else None,
+                    "system": "LowDiff" if r.rng is not None else "LowDiff+",
                 }
                 for key, r in table.items()
             ]
 
         return {"replicas": rows(self._replicas), "copies": rows(self._copies)}
+
+
+def _who(key: tuple) -> str:
+    who = dict(key)
+    return f"rank_{who['tp_rank']}_{who['pp_rank']}_{who['dp_rank']}"
+
+
+def _rng_of(record: DiffRecord) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in record.tensors.items() if k.startswith("rng.")}
 
 
 def _slice(payload: bytearray | bytes, where: list[int]) -> bytes:

@@ -180,7 +180,11 @@ class DiffCheckpointManager:
         self._in_keeper = False  # LowDiff+'s replica lives in the node's keeper
         keep_bases = config.mode == "lowdiff" and self.keeper and not config.keeper_no_base
         # LowDiff's bases staged in the node's keeper too
-        self._stager = keeper_base.BaseStager(self.keeper) if keep_bases else None
+        self._stager = (
+            keeper_base.BaseStager(self.keeper, replica=config.keeper_replica)
+            if keep_bases
+            else None
+        )
         self._kept_refused = False
         self._ended: tuple[int, int, int] | None = None  # (iteration, scheduler steps, consumed)
         self._scanned: tuple[int, Any, recovery.TieredChain, float, float] | None = None
@@ -204,6 +208,10 @@ class DiffCheckpointManager:
         if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica:
             return self._recover_replica()
         if self._stager is not None and storage_base is not None:
+            if self._stager.replica:
+                got = self._recover_rolled(storage_base)
+                if got is not None:
+                    return got
             return self._recover_kept_base(storage_base, loaded)
         return None
 
@@ -233,6 +241,41 @@ class DiffCheckpointManager:
         )
         self._from_keeper = (target, description)
         self._recovery = (seconds, None, max(0.0, since_process_start))
+        return target, record.scalars["scheduler_steps"], record.scalars["consumed_samples"]
+
+    def _recover_rolled(self, storage_base: int) -> tuple[int, int, int] | None:
+        """LowDiff with ``--diffckpt-keeper-replica``: the state at the newest iteration every
+        rank's keeper replica reaches (no older than storage's newest base, within every rank's
+        chain), nothing replayed; storage's log is then made to reach it as after a replay."""
+        since_process_start = _seconds_since_process_start()
+        start = time.perf_counter()
+        scan, chain, _, _ = self._chain(storage_base)
+        got = keeper_merger.recover_from_keepers(
+            self.keeper,
+            self._torch_optimizers(),
+            lambda: optimizer_step.publish_main_params(self.optimizer),
+            self.rng_tracker,
+            recovery.all_reduce_min,
+            floor=storage_base,
+            ceiling=chain.last_iteration,
+            residuals=self.residuals,
+            fallback="the keepers' bases or storage",
+        )
+        if got is None:
+            return None
+        target, record, seconds, _, tier = got
+        logger.info(
+            "recovery: iteration %d from the replica in %s in %.3f s (nothing replayed; "
+            "storage's newest base: %d, not read)",
+            target,
+            tier,
+            seconds,
+            storage_base,
+        )
+        self._scanned = None
+        self._replay_chain(
+            scan, chain, target, target, time.perf_counter() - start, since_process_start
+        )
         return target, record.scalars["scheduler_steps"], record.scalars["consumed_samples"]
 
     def _recover_kept_base(self, storage_base: int, loaded: bool) -> tuple[int, int, int] | None:

@@ -6,6 +6,7 @@ saves), ending ``torch.equal`` to an uninterrupted run."""
 
 from __future__ import annotations
 
+import io
 import re
 import threading
 
@@ -16,9 +17,13 @@ from test_keeper import ME, record, start_keeper
 from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
 
 from megatron_diffckpt import keeper_base
+from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.exchange import ErrorFeedbackResiduals
 from megatron_diffckpt.keeper import KeeperClient, query, stop
-from megatron_diffckpt.storage.format import DiffRecord
+from megatron_diffckpt.keeper_replica import HostedReplica
+from megatron_diffckpt.replica_merger import _replica_of
+from megatron_diffckpt.shared_replica import SharedArena, describe
+from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
 
 
 def _trained(n: int = 1000, steps: int = 3, seed: int = 0) -> torch.optim.AdamW:
@@ -215,6 +220,66 @@ def test_ranks_killed_recover_from_the_keepers_base_without_reading_storage(tmp_
     _assert_ends_as_straight(tmp_path, 12)
 
 
+def test_the_keepers_replica_steps_each_differential_one_behind_as_a_replay_would(tmp_path):
+    """LowDiff's replica in the keeper (``--diffckpt-keeper-replica``): a kept base, stepped
+    with each differential a rank hands over, one behind, equals the training state bit for
+    bit; its recovery record carries every generator's state, those a differential left out
+    included; a differential that does not follow it is refused."""
+    train = _trained(steps=1)
+    arena = SharedArena(str(tmp_path))
+    replica_opt = _replica_of(train, arena.copy, prefix="o0.")
+    base_rng = {"rng.torch": torch.get_rng_state(), "rng.python": torch.arange(3)}
+    base_record = encode_record(DiffRecord(1, {"scheduler_steps": 1}, base_rng))
+    request = {"iteration": 1, "optimizers": describe([replica_opt], arena.spec)}
+    hosted = HostedReplica({**request, "layout": [], "slots": []}, base_record, None)
+    hosted.rng = dict(base_rng)
+    capture, g = GradShardCapture(), torch.Generator().manual_seed(7)
+    for it in (2, 3, 4):
+        for p in train.param_groups[0]["params"]:
+            p.grad = torch.randn(p.shape, generator=g)
+        capture.on_ready_grads(0, train)
+        train.step()
+        moved = ({}, {"rng.torch": torch.full((4,), it, dtype=torch.uint8)})
+        record = capture.build_record(it, it, 8 * it, moved)  # rng.python did not move
+        hosted.take_differential(encode_record(record))
+        assert hosted.merged == it - 1 and hosted.offer() == (it - 1, it)
+    with pytest.raises(ValueError, match="expected 5"):
+        hosted.take_differential(encode_record(_record(7)))
+    assert hosted.settle(4) == [] and hosted.merged == 4
+    _assert_same_optimizer(train, hosted.optimizers[0])
+    (full,) = iter_records(io.BytesIO(hosted.record))
+    assert full.iteration == 4 and full.scalars["consumed_samples"] == 32
+    assert torch.equal(full.tensors["rng.python"], base_rng["rng.python"])  # carried over
+    assert torch.equal(full.tensors["rng.torch"], torch.full((4,), 4, dtype=torch.uint8))
+
+
+@pytest.mark.distributed
+def test_ranks_killed_recover_from_the_keepers_replica_replaying_nothing(tmp_path):
+    """``--diffckpt-keeper-replica``, bases every 5, batches of 8: rank 1 dies after handing
+    iteration 12 over. The restarted ranks take iteration 12 from their keepers' replicas
+    (base 10 stepped with 11 and 12): no base read, nothing replayed; storage's log is made to
+    reach 12, and the run ends equal to an uninterrupted one."""
+    common, _ = _keeper_job(tmp_path, total=16, full_interval=5)
+    ckpt = tmp_path / "ckpt"
+    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
+    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5", "--diffckpt-keeper-replica"]
+    diff += ["--dump-state", str(tmp_path / "resumed")]
+    proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
+    log = _finish(proc, lines)
+    restart = log[log.index("failpoint iteration-end #12: SIGKILL of rank 1") :]
+    assert re.search(
+        r"recovery: iteration 12 from the replica in the node's keeper in [\d.]+ s \(nothing "
+        r"replayed; storage's newest base: 10, not read\)",
+        restart,
+    ), restart[-3000:]
+    assert "loaded checkpoint from" not in restart and "replayed 0 differential(s)" in restart
+    for rank_dir in (ckpt / "diffckpt").glob("rank_*"):  # 11-12 were the keepers' alone
+        spans = [re.fullmatch(r"seg_(\d+)_(\d+)\.bin", f.name) for f in rank_dir.glob("seg_*")]
+        covered = {i for m in spans if m for i in range(int(m[1]), int(m[2]) + 1)}
+        assert {11, 12} <= covered, (rank_dir.name, sorted(covered))
+    _assert_ends_as_straight(tmp_path, 12)
+
+
 @pytest.mark.distributed
 def test_a_base_the_keepers_hold_but_storage_never_published_is_recovered(tmp_path):
     """Asynchronous bases every 5: rank 1 dies right after its keeper acknowledged base 10, before
@@ -256,12 +321,18 @@ def test_a_base_the_keepers_hold_but_storage_never_published_is_recovered(tmp_pa
 def test_top_k_residuals_come_back_from_the_keepers_base_as_from_storages(tmp_path):
     """The top-k exchange: a base holds every rank's error-feedback residuals, which no
     differential rebuilds. The same fault (rank 1 dies after handing iteration 12 over, bases
-    every 5) recovered once from the keepers' base 10 and once from storage's
+    every 5) recovered from the keepers' base 10, from their replicas at 12
+    (``--diffckpt-keeper-replica``: base 10's residuals) and from storage's base
     (``--diffckpt-keeper-no-base``) ends in the same state, ``torch.equal``, and the same
     losses: the keeper gave back the residuals storage's base holds."""
     common, _ = _keeper_job(tmp_path, total=16, full_interval=5)
     ends = {}
-    for name, extra in (("keeper", []), ("storage", ["--diffckpt-keeper-no-base"])):
+    variants = {
+        "keeper": [],
+        "replica": ["--diffckpt-keeper-replica"],
+        "storage": ["--diffckpt-keeper-no-base"],
+    }
+    for name, extra in variants.items():
         ckpt = tmp_path / name
         diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-compressor", "topk"]
         diff += ["--diffckpt-topk-ratio", "0.05", "--diffckpt-full-interval", "5"]
@@ -279,9 +350,12 @@ def test_top_k_residuals_come_back_from_the_keepers_base_as_from_storages(tmp_pa
         restart = _finish(proc, lines).split("failpoint iteration-end #12")[1]
         from_keeper = "recovery: base of iteration 10 from the node's keeper" in restart
         assert from_keeper == (name == "keeper"), restart[-3000:]
+        from_replica = "recovery: iteration 12 from the replica in the node's keeper" in restart
+        assert from_replica == (name == "replica"), restart[-3000:]
         assert ("loaded checkpoint from" in restart) == (name == "storage")
         assert re.search(r"recovered to iteration 12 in", restart), restart[-3000:]
         ends[name] = load_dumps(tmp_path / f"{name}-end", 2)
     for rank in range(2):
-        assert ends["keeper"][rank]["losses"] == ends["storage"][rank]["losses"]
-        assert_same_state(ends["storage"][rank], ends["keeper"][rank], rank)
+        for name in ("keeper", "replica"):
+            assert ends[name][rank]["losses"] == ends["storage"][rank]["losses"]
+            assert_same_state(ends["storage"][rank], ends[name][rank], rank)
