@@ -238,7 +238,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 _send(self.request, {"held": held, "why": why})
                 if held and link is not None and not from_peer:
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)
-                if held and not from_peer:  # after the reply: off the rank's training path
+                if held and not from_peer:  # LowDiff's replica, off the rank's training path
                     server.replicas.roll(_key(req["identity"]), payload)
             elif op == "published":
                 state.published(req["identity"], int(req["iteration"]))
@@ -262,7 +262,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 _send(self.request, *reply)
                 kept = server.bases.get(key, int(req.get("iteration", -1)))
                 if op == "base_put" and req.get("replica") and reply[0].get("ok") and kept:
-                    self._roll_from(server, key, kept)
+                    server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
             elif op == "stats":
                 _send(self.request, server.stats())
             elif op == "stop" and not from_peer:
@@ -273,14 +273,9 @@ class _Handler(socketserver.BaseRequestHandler):
             else:
                 _send(self.request, {"error": f"unknown request {op!r}"})
 
-    @staticmethod
-    def _roll_from(server: Any, key: tuple, kept: Any) -> None:
-        """LowDiff's replica from the base just kept (after the reply; the rank's next
-        request waits for the copy, once per base)."""
-        try:
-            server.replicas.roll_from(key, kept)
-        except (OSError, RuntimeError, ValueError) as exc:
-            logger.warning("keeper: no replica past base %d: %s", kept.iteration, exc)
+                kept = server.bases.get(key, int(req.get("iteration", -1)))
+                if op == "base_put" and req.get("replica") and reply[0].get("ok") and kept:
+                    server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
 
     def _chain(self, req: dict, state: KeeperState, link: Any, from_peer: bool) -> None:
         records = state.chain(req["identity"], int(req["after"]))

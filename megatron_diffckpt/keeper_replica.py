@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt.background import CpuMeter
+from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.recovery import truncate_log
 from megatron_diffckpt.replica_merger import (
@@ -330,6 +330,10 @@ class HostedReplicas:
         self._logs: dict[tuple, ReplicaLog] = {}
         """The diff logs this keeper writes, by rank: a log outlives the replica objects of its
         chain (a rank's restart from this keeper's replica continues it)."""
+        self._rolling = BackgroundWorker("keeper-lowdiff-replicas", self._rolled, maxsize=4)
+        """LowDiff's replicas are made and stepped here, in order, at lower CPU priority: the
+        rank's hand-over (on its training thread) is answered first."""
+        self._rolled_ranks: set[tuple] = set()  # the ranks that asked for LowDiff's replica
 
     def handle(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """One ``replica_*`` request (``replica_copy_*``: from the previous node's keeper); the
@@ -348,6 +352,8 @@ class HostedReplicas:
                 return {"ok": True}, b""
             if op == "replica_log_flush":
                 return {"durable": self._flush_log(key)}, b""
+            if op == "replica_state":
+                self._rolling.join()  # every differential handed over is in LowDiff's replica
             replica = self._replicas.get(key)
             if replica is None and op == "replica_state":
                 replica = self._adopt(key, req["identity"])
@@ -413,7 +419,31 @@ class HostedReplicas:
         """LowDiff (``--diffckpt-keeper-replica``): from the kept ``base`` (a
         :class:`~megatron_diffckpt.keeper_base.KeptBase` just put) on, a replica in files of
         its own (the shard and the base's residuals copied) that every differential the rank
-        hands over steps, one behind (:meth:`roll`), in place of the rank's previous one."""
+        hands over steps, one behind (:meth:`roll`), in place of the rank's previous one.
+        Queued: made on the replicas' thread."""
+        self._rolled_ranks.add(key)
+        self._rolling.put((self._roll_from, key, base))
+
+    def roll(self, key: tuple, payload: bytes | bytearray) -> None:
+        """LowDiff: step the rank's replica with the differential it handed over (``payload``,
+        the keeper holds it already, unchanged), one behind; a differential that does not
+        follow the replica (a restart that recovered elsewhere) ends it until the next base.
+        Queued: stepped on the replicas' thread."""
+        if key in self._rolled_ranks:
+            self._rolling.put((self._roll, key, payload))
+
+    def _rolled(self, item: tuple) -> None:
+        work, key, arg = item
+        try:
+            work(key, arg)
+        except Exception as exc:  # noqa: BLE001 - the rank recovers from the base instead
+            stepping = work == self._roll  # a replica that missed a step ends; a new one not made
+            logger.warning("keeper: LowDiff's replica of %s %s: %s: %s", _who(key),
+                           "ends" if stepping else "not made", type(exc).__name__, exc)  # fmt: skip
+            if stepping:
+                self._drop(self._replicas, key)
+
+    def _roll_from(self, key: tuple, base: Any) -> None:
         arena = SharedArena(self.folder)
         try:
             optimizers = [
@@ -451,22 +481,12 @@ class HostedReplicas:
             logger.warning("keeper: no replica of %s past base %d: %s", _who(key), base.iteration,
                            refused)  # fmt: skip
 
-    def roll(self, key: tuple, payload: bytes | bytearray) -> None:
-        """LowDiff: step the rank's replica with the differential it handed over (``payload``,
-        the keeper holds it already), one behind; a differential that does not follow the
-        replica (a restart that recovered elsewhere) ends it until the next base."""
+    def _roll(self, key: tuple, payload: bytes | bytearray) -> None:
         replica = self._replicas.get(key)
         if replica is None or replica.rng is None:
             return
         with replica.lock:
-            try:
-                replica.take_differential(bytes(payload))
-                return
-            except (ValueError, KeyError, RuntimeError) as exc:
-                why = f"{type(exc).__name__}: {exc}"
-        logger.info("keeper: the replica of %s ends (%s); the next base starts one", _who(key),
-                    why)  # fmt: skip
-        self._drop(self._replicas, key)
+            replica.take_differential(payload)
 
     # ----------------------------------------------------------------- the diff log
     def _log_for(self, key: tuple, req: dict, iteration: int) -> ReplicaLog | None:

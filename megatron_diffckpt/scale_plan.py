@@ -21,8 +21,11 @@ each at its own best setting:
   checkpoint are recomputed.
 - **with the node keepers** (:mod:`~megatron_diffckpt.keeper`): a share ``kept_share`` of the
   failures leaves the hosts up; the ranks restart in the allocation (``kept_restart_s``) and
-  recover every iteration they handed over. ``LowDiff + keepers``: the differentials from the
-  keeper (none lost; base load and replay as from storage). ``LowDiff+ in keepers``
+  recover every iteration they handed over. ``LowDiff + keepers``: the differentials and the
+  newest base from the keeper (none lost; replay as from storage). ``LowDiff + keeper
+  replicas`` (``--diffckpt-keeper-replica``): the keeper's replica of the shard, stepped with
+  every differential (a host-to-device copy, no replay); its one optimizer step per iteration
+  runs on the host, off the training path, and is not counted. ``LowDiff+ in keepers``
   (``--diffckpt-plus-keeper-replica``): the replica from the keeper (a host-to-device copy of
   the shard's fp32 parameters and moments, no base, no replay) and bases only to storage (no
   dense log), which serve the other failures. With the keepers' ring
@@ -177,14 +180,17 @@ def full_inputs(job: JobSpec) -> CostInputs:
     return _inputs(job, diff_bytes=0.0, base_stall=True)
 
 
-def with_keepers(job: JobSpec, c: CostInputs, replica: bool) -> CostInputs:
+def with_keepers(
+    job: JobSpec, c: CostInputs, replica: bool, lowdiff_replica: bool = False
+) -> CostInputs:
     """``c`` with the node keepers and their ring: a share of the failures recovered from host
     memory, from LowDiff+'s replicas (``replica``: main parameters and two Adam moments, fp32,
-    copied to the device) or from LowDiff's newest base and differentials (the base copied to
-    the device, then replay; staging each base in the keeper copies it once more, off the
-    training path: the next iteration's passes run meanwhile); a share that loses a node
-    whole, from the next node's keeper (a replacement node fetches the node's replicas first;
-    LowDiff's base then comes from storage)."""
+    copied to the device), from LowDiff's (``lowdiff_replica``: the same copy) or from LowDiff's
+    newest base and differentials (the base copied to the device, then replay; staging each
+    base in the keeper copies it once more, off the training path: the next iteration's passes
+    run meanwhile); a share that loses a node whole, from the next node's keeper (a
+    replacement node fetches the node's LowDiff+ replicas first; LowDiff's base then comes from
+    storage, and its differentials from the peer are replayed)."""
     replica_bytes = job.shard_params * 12.0
     to_device_s = replica_bytes / job.staging_bandwidth  # a replica, or LowDiff's kept base
     return replace(
@@ -192,7 +198,8 @@ def with_keepers(job: JobSpec, c: CostInputs, replica: bool) -> CostInputs:
         kept_base_load_s=None if replica else to_device_s,
         kept_share=job.kept_share,
         kept_restart_s=job.kept_restart_s,
-        kept_recovery_s=to_device_s if replica else None,
+        kept_recovery_s=to_device_s if replica or lowdiff_replica else None,
+        peer_replicas=replica,
         peer_share=job.peer_share,
         peer_restart_s=job.restart_s,  # a node lost whole: a requeue, with or without the ring
         peer_fetch_s=job.gpus_per_node * replica_bytes / job.peer_bandwidth if replica else 0.0,
@@ -202,6 +209,7 @@ def with_keepers(job: JobSpec, c: CostInputs, replica: bool) -> CostInputs:
 LOWDIFF_PLUS_LOG = "LowDiff+ (diff log)"
 LOWDIFF_PLUS_BASES = "LowDiff+ (bases only)"
 LOWDIFF_KEEPERS = "LowDiff + keepers"
+LOWDIFF_KEEPER_REPLICAS = "LowDiff + keeper replicas"
 LOWDIFF_PLUS_KEEPERS = "LowDiff+ in keepers"
 
 
@@ -228,12 +236,15 @@ def lowdiff_plus_choice(c: CostInputs, plans: dict[str, Plan]) -> str:
 
 def compare(job: JobSpec) -> dict[str, Plan]:
     """Each strategy at its own best (F, B): storage only, and with the node keepers
-    (LowDiff's differentials in them; LowDiff+'s replica in them, with bases only to
-    storage)."""
+    (LowDiff's differentials and newest base in them, or also its replica; LowDiff+'s replica
+    in them, with bases only to storage)."""
     plus = lowdiff_plus_inputs(job)
     return {
         "LowDiff": optimize(lowdiff_inputs(job)),
         LOWDIFF_KEEPERS: optimize(with_keepers(job, lowdiff_inputs(job), replica=False)),
+        LOWDIFF_KEEPER_REPLICAS: optimize(
+            with_keepers(job, lowdiff_inputs(job), replica=False, lowdiff_replica=True)
+        ),
         **lowdiff_plus_plans(plus),
         LOWDIFF_PLUS_KEEPERS: full_checkpointing(with_keepers(job, plus, replica=True)),
         "full checkpointing": full_checkpointing(full_inputs(job)),

@@ -40,14 +40,16 @@ failure is :math:`C(F, B) = K(B) + \tfrac{F}{2}\,r`.
 **Tiers.** With the node keepers (:mod:`~megatron_diffckpt.keeper`), a share :math:`q`
 (``kept_share``) of the failures leaves every iteration the ranks handed over in host memory
 that outlived them: those cost the restart inside the allocation :math:`R_k`, the recovery, and
-the iteration in flight, :math:`C_k(F) = R_k + x + t/2` from LowDiff+'s replicas in the keepers
-(``kept_recovery_s``, no base, no replay) or :math:`R_k + \ell_k + \tfrac{F}{2} r + t/2` from
+the iteration in flight, :math:`C_k(F) = R_k + x + t/2` from replicas in the keepers
+(``kept_recovery_s``, no base, no replay: LowDiff+'s, or LowDiff's with
+``--diffckpt-keeper-replica``) or :math:`R_k + \ell_k + \tfrac{F}{2} r + t/2` from
 their differentials, with the base from their memory (``kept_base_load_s``, :math:`\ell_k`) or
 from storage (:math:`\ell_k = \ell`). With the keepers' ring
 (:mod:`~megatron_diffckpt.keeper_peers`), a further share :math:`q_p` (``peer_share``) loses a
 node whole, its ranks and its keeper, while the next node's keeper holds its copy:
 :math:`C_p(F) = R_p + y + x + t/2` (or with :math:`\ell + \tfrac{F}{2} r` in place of
-:math:`x`: bases do not travel around the ring), the restart with a replacement node
+:math:`x` where the peer holds no replica, ``peer_replicas`` false: LowDiff's bases and
+replicas do not travel around the ring), the restart with a replacement node
 :math:`R_p` and the lost node's fetch of its copy from the peer :math:`y`. Then
 :math:`C = (1 - q - q_p)\,C + q\,C_k + q_p\,C_p`, again linear in F: the optimum below holds
 with :math:`K = C(0, B)` and :math:`r` the slope's replay (``replay_slope_s``).
@@ -126,8 +128,11 @@ class CostInputs:
     kept_restart_s: float = 0.0
     """R_k: restarting the ranks inside the allocation after such a failure (no requeue)."""
     kept_recovery_s: float | None = None
-    """x: recovering from the keepers' LowDiff+ replicas (a host-to-device copy); ``None``: the
+    """x: recovering from the keepers' replicas (a host-to-device copy); ``None``: the
     keepers hold differentials, and recovery loads the base and replays as from storage."""
+    peer_replicas: bool = True
+    """The next node's keeper holds the replicas too (LowDiff+'s travel around the ring;
+    LowDiff's do not: a node lost whole loads the base from storage and replays)."""
     kept_base_load_s: float | None = None
     """l_k: LowDiff's newest base from the keepers' memory (a host-to-device copy) for the
     failures they serve; ``None``: from storage (``base_load_s``)."""
@@ -222,7 +227,7 @@ def held_recovery_s(c: CostInputs, full_interval: float, local: bool = True) -> 
     """x, or l_k + F/2 r: recovering what the keepers hold (their replicas, or base + replay of
     their differentials), after a failure they (``local``) or their peers survived (then the
     base comes from storage: l)."""
-    if c.kept_recovery_s is not None:
+    if c.kept_recovery_s is not None and (local or c.peer_replicas):
         return c.kept_recovery_s
     base = c.kept_base_load_s if local and c.kept_base_load_s is not None else c.base_load_s
     return base + full_interval / 2.0 * c.replay_s
@@ -231,7 +236,8 @@ def held_recovery_s(c: CostInputs, full_interval: float, local: bool = True) -> 
 def replay_slope_s(c: CostInputs) -> float:
     """r_eff = 2 dC/dF: replay per differential, over the failures that replay (all, but those
     the keepers' replicas serve, locally or from the peer)."""
-    replicas = c.kept_share + c.peer_share if c.kept_recovery_s is not None else 0.0
+    peers = c.peer_share if c.peer_replicas else 0.0
+    replicas = c.kept_share + peers if c.kept_recovery_s is not None else 0.0
     return c.replay_s * (1.0 - replicas)
 
 

@@ -372,29 +372,35 @@ def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exac
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("kept", ["base", "replica"])
 def test_lowdiff_recovers_from_the_keepers_base_newer_than_the_one_megatron_lm_loaded(
-    tmp_path, straight_runs
+    tmp_path, straight_runs, kept
 ):
     """LowDiff in Megatron-LM's loop under the node launcher with a keeper, asynchronous saves:
     rank 1 dies right after its keeper acknowledged base 10, before Megatron-LM finalized the
     save. The restarted ranks (Megatron-LM loads base 5) take the keepers' base 10 in place of
-    base 5 (nothing to replay: 10 is the newest iteration both ranks ended), and the final
-    checkpoint and the losses equal the uninterrupted run's."""
+    base 5 (nothing to replay: 10 is the newest iteration both ranks ended), or with
+    ``--diffckpt-keeper-replica`` the keepers' replicas at 10, and the final checkpoint and
+    the losses equal the uninterrupted run's."""
     layout = "dp2-async-save"
     gpt = [*GPT, *LAYOUTS[layout][0].split()]
     straight, expected_losses = straight_runs(layout)
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
     diff += ["--diffckpt-mode", "lowdiff"]
+    diff += ["--diffckpt-keeper-replica"] if kept == "replica" else []
     restarted = _killed_under_the_node_launcher([*gpt, *diff], "base-kept:2@1")
     loaded = re.search(r"loaded checkpoint from .* at iteration (\d+)", restarted)
     # base 10 is never finalized: the killed rank could not take part
     assert loaded is not None and loaded[1] == "5", restarted[-4000:]
-    assert re.search(
-        r"recovery: base of iteration 10 from the node's keeper in [\d.]+ s "
-        r"\(storage's newest base: 5, not read\)",
-        restarted,
-    ), restarted[-4000:]
+    served = {
+        "base": r"base of iteration 10 from the node's keeper in [\d.]+ s",
+        "replica": r"iteration 10 from the replica in the node's keeper in [\d.]+ s \(nothing "
+        r"replayed;",
+    }[kept]
+    assert re.search(rf"recovery: {served} \(?storage's newest base: 5, not read\)", restarted), (
+        restarted[-4000:]
+    )
     assert "replayed 0 differential(s)" in restarted
     assert re.search(r"recovered to iteration 10 \(base 5\)", restarted)
     _assert_same_losses(_resumed_losses(restarted, 10), expected_losses)
