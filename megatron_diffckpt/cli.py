@@ -353,11 +353,11 @@ def _tune(args: argparse.Namespace) -> int:
             f"{args.train_days:g} days of training; failures: one per "
             f"{args.gpu_hours_per_failure:,.0f} GPU-hours"
         )
-        print(f"{'GPUs':>6} {'MTBF h':>7}  {'strategy':22} {'F':>7} {'B':>4} {'overhead':>9} "
+        print(f"{'GPUs':>6} {'MTBF h':>7}  {'strategy':25} {'F':>7} {'B':>4} {'overhead':>9} "
               f"{'lost h':>8}")  # fmt: skip
         for r in rows:
             print(
-                f"{r['gpus']:>6} {r['mtbf_hours']:>7.2f}  {r['strategy']:22} "
+                f"{r['gpus']:>6} {r['mtbf_hours']:>7.2f}  {r['strategy']:25} "
                 f"{r['full_interval']:>7} {r['batch_size']:>4} {r['overhead']:>9.2%} "
                 f"{r['lost_hours']:>8.1f}"
             )
