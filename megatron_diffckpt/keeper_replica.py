@@ -203,6 +203,9 @@ class HostedReplica:
         differential holds only those that moved), from the base's on; ``None``: LowDiff+'s."""
         self.residuals: dict[str, Any] | None = None
         """LowDiff's replica: the specs of its base's error-feedback residuals (its slot 0)."""
+        if request.get("lowdiff"):  # stepped with differentials: its record holds every RNG
+            self.rng = _rng_of(next(iter_records(io.BytesIO(record))))
+            self.residuals = self.slot_specs[0] if self.slot_specs else {}
         self.log: ReplicaLog | None = None
         """Where merged iterations are written to storage (set by the keeper on open; a ring
         copy has none)."""
@@ -426,9 +429,10 @@ class HostedReplicas:
 
     def roll(self, key: tuple, payload: bytes | bytearray) -> None:
         """LowDiff: step the rank's replica with the differential it handed over (``payload``,
-        the keeper holds it already, unchanged), one behind; a differential that does not
-        follow the replica (a restart that recovered elsewhere) ends it until the next base.
-        Queued: stepped on the replicas' thread."""
+        held unchanged), one behind; a differential that does not follow the replica (a
+        restart that recovered elsewhere) ends it until the next base. Queued: stepped on the
+        replicas' thread, which then sends it on for the next node's copy (after the copy's
+        opening, in order: ``replica_copy_step``)."""
         if key in self._rolled_ranks:
             self._rolling.put((self._roll, key, payload))
 
@@ -437,7 +441,7 @@ class HostedReplicas:
         try:
             work(key, arg)
         except Exception as exc:  # noqa: BLE001 - the rank recovers from the base instead
-            stepping = work == self._roll  # a replica that missed a step ends; a new one not made
+            stepping = work != self._roll_from  # a replica that missed a step ends
             logger.warning("keeper: LowDiff's replica of %s %s: %s: %s", _who(key),
                            "ends" if stepping else "not made", type(exc).__name__, exc)  # fmt: skip
             if stepping:
@@ -461,6 +465,7 @@ class HostedReplicas:
                 "optimizers": describe(optimizers, arena.spec),
                 "layout": [],
                 "slots": [residuals] if residuals else [],
+                "lowdiff": True,
             }
         except (OSError, RuntimeError, ValueError):
             self._remove_files({spec["file"] for spec in arena.specs.values()})
@@ -471,8 +476,6 @@ class HostedReplicas:
                 previous.lock.acquire()
             try:
                 replica = HostedReplica(request, base.record, None)
-                counters = next(iter_records(io.BytesIO(base.record)))
-                replica.rng, replica.residuals = _rng_of(counters), residuals
                 refused = self._install(self._replicas, key, replica, previous)
             finally:
                 if previous is not None:
@@ -480,6 +483,9 @@ class HostedReplicas:
         if refused:
             logger.warning("keeper: no replica of %s past base %d: %s", _who(key), base.iteration,
                            refused)  # fmt: skip
+        elif self.link is not None:  # the next node's keeper steps a copy (replica_copy_step)
+            header, body = copy_of(replica)
+            self._forward({"op": "replica_copy_open", "identity": dict(key), **header}, body)
 
     def _roll(self, key: tuple, payload: bytes | bytearray) -> None:
         replica = self._replicas.get(key)
@@ -487,6 +493,7 @@ class HostedReplicas:
             return
         with replica.lock:
             replica.take_differential(payload)
+        self._forward({"op": "replica_copy_step", "identity": dict(key)}, payload)
 
     # ----------------------------------------------------------------- the diff log
     def _log_for(self, key: tuple, req: dict, iteration: int) -> ReplicaLog | None:
@@ -562,7 +569,20 @@ class HostedReplicas:
                     return {"error": refused}, b""
                 if req.get("held"):
                     feed(copy, req["held"], payload)
+                if req.get("held_differential"):
+                    copy.take_differential(_slice(payload, req["held_differential"]))
             return {"ok": True}, b""
+        if op == "replica_copy_step":  # LowDiff: the differential the previous node's stepped
+            copy = self._copies.get(key)
+            if copy is None or copy.rng is None:
+                return {"error": "no copy of this LowDiff replica (until its next base)"}, b""
+            with copy.lock:  # in order with the copy's opening, on this connection
+                try:
+                    copy.take_differential(payload)
+                except ValueError:
+                    self._drop(self._copies, key)
+                    raise
+            return {"held": True}, b""
         if op == "replica_copy_close":
             self._drop(self._copies, key)
             return {"ok": True}, b""
@@ -608,6 +628,10 @@ class HostedReplicas:
             replica = HostedReplica(header, _slice(payload, header["record"]), None, into_file)
             if header.get("held"):
                 feed(replica, header["held"], payload)
+            if header.get("held_differential"):
+                replica.take_differential(_slice(payload, header["held_differential"]))
+            if replica.rng is not None:
+                self._rolled_ranks.add(key)  # LowDiff's: the rank's differentials step it on
             replica.tier = f"the keeper of node {self.link.successor} (a peer)"
             refused = self._install(self._replicas, key, replica, None)
             if refused:
@@ -688,6 +712,26 @@ def copy_of(replica: HostedReplica) -> tuple[dict[str, Any], bytes]:
     tensors = list(tensors_of(replica.description, replica.optimizers))
     description, body = packed(replica.description, tensors)
     chunks, offset = [body, replica.record], len(body) + len(replica.record)
+    if replica.rng is not None:  # LowDiff's: its residuals' contents and its held differential
+        residuals = {}
+        for k, spec in (replica.residuals or {}).items():
+            chunks.append(tensor_bytes(replica.slots[0][k]))
+            residuals[k] = {"shape": spec["shape"], "dtype": spec["dtype"], "offset": offset}
+            offset += len(chunks[-1])
+        header = {
+            "iteration": replica.merged,
+            "layout": [],
+            "optimizers": description,
+            "slots": [residuals] if residuals else [],
+            "record": [len(body), len(replica.record)],
+            "lowdiff": True,
+            "held": None,
+        }
+        if replica.held is not None:
+            raw = encode_record(replica.held.differential)
+            header["held_differential"] = [offset, len(raw)]
+            chunks.append(raw)
+        return header, b"".join(chunks)
     buckets = {
         k: {"shape": s["shape"], "dtype": s["dtype"]} for k, s in replica.slot_specs[0].items()
     }

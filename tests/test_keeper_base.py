@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import io
 import re
+import signal
 import threading
+import time
 
+import psutil
 import pytest
 import torch
 from launch import assert_same_state, load_dumps, run_cli
-from test_keeper import ME, record, start_keeper
+from test_keeper import ME, TwoNodes, _ranks_of, record, start_keeper
 from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
 
 from megatron_diffckpt import keeper_base
@@ -216,7 +219,7 @@ def test_ranks_killed_recover_from_the_keepers_base_without_reading_storage(tmp_
     ), restart[-3000:]
     assert "loaded checkpoint from" not in restart
     assert "replayed 2 differential(s)" in restart
-    assert re.search(r"recovered to iteration 12 in [\d.]+ s \(from the node keepers' newest", log)
+    assert re.search(r"recovered to iteration 12 in [\d.]+ s \(from the node keepers' memory", log)
     _assert_ends_as_straight(tmp_path, 12)
 
 
@@ -359,3 +362,45 @@ def test_top_k_residuals_come_back_from_the_keepers_base_as_from_storages(tmp_pa
         for name in ("keeper", "replica"):
             assert ends[name][rank]["losses"] == ends["storage"][rank]["losses"]
             assert_same_state(ends["storage"][rank], ends[name][rank], rank)
+
+
+@pytest.mark.distributed
+def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_path):
+    """One machine as two nodes (keepers in a ring), ``--diffckpt-keeper-replica``, bases
+    every 5: each keeper sends its replicas to the next node's keeper, then every differential
+    it stepped them with. After iteration 12 node 1 is lost whole (its rank stopped first, so
+    that its keeper's last steps reach node 0, then launcher, keeper, agent and rank SIGKILLed)
+    and started again with a fresh keeper, which adopts node 0's copy of its rank's replica:
+    both ranks recover the same iteration from replicas (nothing replayed, no base read), and
+    the run ends equal to an uninterrupted one."""
+    common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
+    ckpt = tmp_path / "ckpt"
+    diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
+    diff += ["--diffckpt-full-interval", "5", "--diffckpt-keeper-replica"]
+    diff += ["--dump-state", str(tmp_path / "resumed")]
+    with TwoNodes(tmp_path, [*common, *diff]) as job:
+        job.logged(12)
+        for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
+            rank.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        copies = query(job.keeper_socket(0))["copies"]
+        assert len(copies) == 1 and copies[0]["system"] == "LowDiff", copies
+        job.restart_node(1)
+        job.wait()
+        text = job.text()
+    adopted = re.findall(
+        r"keeper: adopted the replica of (rank_\S+) at iteration (\d+).* from the keeper of "
+        r"node 0 \(a peer\)",
+        text,
+    )
+    assert len(adopted) == 1, text[-4000:]
+    got = re.search(
+        r"\[rank0\] \S+ recovery: iteration (\d+) from the replica in (.*?) in [\d.]+ s "
+        r"\(nothing replayed; storage's newest base: (\d+), not read\)",
+        text,
+    )
+    assert got is not None, text[-4000:]
+    assert got[2] in ("the node's keeper", "the keeper of node 0 (a peer)"), got[0]
+    assert int(got[1]) >= 12 and int(got[1]) - int(adopted[0][1]) in (0, 1), (got[0], adopted)
+    assert "replayed 0 differential(s)" in text and "loaded checkpoint from" not in text
+    _assert_ends_as_straight(tmp_path, int(got[1]))

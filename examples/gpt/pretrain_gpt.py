@@ -449,11 +449,10 @@ def train(args) -> int:
         scheduler.num_steps = scheduler_steps
         scheduler.step(increment=0)  # the LR the next iteration uses
         saved = stored or 0  # storage's newest base
-        logger.info(
-            "recovered to iteration %d in %.3f s (from the node keepers' %s)",
+        logger.info(  # the line before says what they held: a replica, or a base
+            "recovered to iteration %d in %.3f s (from the node keepers' memory)",
             iteration,
             time.perf_counter() - load_start,
-            "replicas" if args.diffckpt.mode == "lowdiff-plus" else "newest base",
         )
     elif args.load is not None:
         if args.ckpt_format == "torch_dcp":
