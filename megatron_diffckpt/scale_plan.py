@@ -24,11 +24,11 @@ each at its own best setting:
   recover every iteration they handed over. ``LowDiff + keepers``: the differentials and the
   newest base from the keeper (none lost; replay as from storage). ``LowDiff + keeper
   replicas`` (``--diffckpt-keeper-replica``): the keeper's replica of the shard, stepped with
-  every differential (a host-to-device copy, no replay); its one optimizer step per iteration
-  runs on the host, off the training path, and is not counted. ``LowDiff+ in keepers``
-  (``--diffckpt-plus-keeper-replica``): the replica from the keeper (a host-to-device copy of
-  the shard's fp32 parameters and moments, no base, no replay) and bases only to storage (no
-  dense log), which serve the other failures. With the keepers' ring
+  every differential (a host-to-device copy, no replay; around the ring too); its one
+  optimizer step per iteration runs on the host, off the training path, and is not counted.
+  ``LowDiff+ in keepers`` (``--diffckpt-plus-keeper-replica``): the replica from the keeper
+  (a host-to-device copy of the shard's fp32 parameters and moments, no base, no replay) and
+  bases only to storage (no dense log), which serve the other failures. With the keepers' ring
   (``--diffckpt-keeper-peers``), a further share ``peer_share`` loses a node whole: the job
   restarts with a replacement node (``restart_s``, a requeue, as without the ring), whose
   ranks fetch the node's copy from the next node's keeper (its ``gpus_per_node`` replicas over
@@ -189,20 +189,22 @@ def with_keepers(
     newest base and differentials (the base copied to the device, then replay; staging each
     base in the keeper copies it once more, off the training path: the next iteration's passes
     run meanwhile); a share that loses a node whole, from the next node's keeper (a
-    replacement node fetches the node's LowDiff+ replicas first; LowDiff's base then comes from
-    storage, and its differentials from the peer are replayed)."""
+    replacement node fetches the node's replicas first; without replicas, LowDiff's base then
+    comes from storage, and its differentials from the peer are replayed)."""
     replica_bytes = job.shard_params * 12.0
     to_device_s = replica_bytes / job.staging_bandwidth  # a replica, or LowDiff's kept base
+    # what a replacement node fetches: LowDiff+'s replicas, or LowDiff's with their
+    # error-feedback residuals (4 bytes per shard parameter more)
+    fetched = replica_bytes if replica else job.shard_params * 16.0 if lowdiff_replica else 0.0
     return replace(
         c,
         kept_base_load_s=None if replica else to_device_s,
         kept_share=job.kept_share,
         kept_restart_s=job.kept_restart_s,
         kept_recovery_s=to_device_s if replica or lowdiff_replica else None,
-        peer_replicas=replica,
         peer_share=job.peer_share,
         peer_restart_s=job.restart_s,  # a node lost whole: a requeue, with or without the ring
-        peer_fetch_s=job.gpus_per_node * replica_bytes / job.peer_bandwidth if replica else 0.0,
+        peer_fetch_s=job.gpus_per_node * fetched / job.peer_bandwidth,
     )
 
 

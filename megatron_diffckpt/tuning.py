@@ -48,9 +48,9 @@ from storage (:math:`\ell_k = \ell`). With the keepers' ring
 (:mod:`~megatron_diffckpt.keeper_peers`), a further share :math:`q_p` (``peer_share``) loses a
 node whole, its ranks and its keeper, while the next node's keeper holds its copy:
 :math:`C_p(F) = R_p + y + x + t/2` (or with :math:`\ell + \tfrac{F}{2} r` in place of
-:math:`x` where the peer holds no replica, ``peer_replicas`` false: LowDiff's bases and
-replicas do not travel around the ring), the restart with a replacement node
-:math:`R_p` and the lost node's fetch of its copy from the peer :math:`y`. Then
+:math:`x` without replicas: LowDiff's kept bases do not travel around the ring), the restart
+with a replacement node :math:`R_p` and the lost node's fetch of its copy from the peer
+:math:`y`. Then
 :math:`C = (1 - q - q_p)\,C + q\,C_k + q_p\,C_p`, again linear in F: the optimum below holds
 with :math:`K = C(0, B)` and :math:`r` the slope's replay (``replay_slope_s``).
 
@@ -130,9 +130,6 @@ class CostInputs:
     kept_recovery_s: float | None = None
     """x: recovering from the keepers' replicas (a host-to-device copy); ``None``: the
     keepers hold differentials, and recovery loads the base and replays as from storage."""
-    peer_replicas: bool = True
-    """The next node's keeper holds the replicas too (LowDiff+'s travel around the ring;
-    LowDiff's do not: a node lost whole loads the base from storage and replays)."""
     kept_base_load_s: float | None = None
     """l_k: LowDiff's newest base from the keepers' memory (a host-to-device copy) for the
     failures they serve; ``None``: from storage (``base_load_s``)."""
@@ -227,7 +224,7 @@ def held_recovery_s(c: CostInputs, full_interval: float, local: bool = True) -> 
     """x, or l_k + F/2 r: recovering what the keepers hold (their replicas, or base + replay of
     their differentials), after a failure they (``local``) or their peers survived (then the
     base comes from storage: l)."""
-    if c.kept_recovery_s is not None and (local or c.peer_replicas):
+    if c.kept_recovery_s is not None:
         return c.kept_recovery_s
     base = c.kept_base_load_s if local and c.kept_base_load_s is not None else c.base_load_s
     return base + full_interval / 2.0 * c.replay_s
@@ -236,8 +233,7 @@ def held_recovery_s(c: CostInputs, full_interval: float, local: bool = True) -> 
 def replay_slope_s(c: CostInputs) -> float:
     """r_eff = 2 dC/dF: replay per differential, over the failures that replay (all, but those
     the keepers' replicas serve, locally or from the peer)."""
-    peers = c.peer_share if c.peer_replicas else 0.0
-    replicas = c.kept_share + peers if c.kept_recovery_s is not None else 0.0
+    replicas = c.kept_share + c.peer_share if c.kept_recovery_s is not None else 0.0
     return c.replay_s * (1.0 - replicas)
 
 

@@ -63,9 +63,7 @@ def simulate(c: CostInputs, full_interval: int, batch: int, iterations: int, see
                 tier = rng.random()
                 if tier < c.kept_share + c.peer_share:  # keepers hold all that was handed over
                     durable = done
-                    recovery = c.kept_recovery_s  # their replicas (the peer's: if it has)
-                    if tier >= c.kept_share and not c.peer_replicas:
-                        recovery = None
+                    recovery = c.kept_recovery_s
                     if recovery is None:  # their differentials: the base, then replay
                         load = c.base_load_s  # storage's (a node lost whole: no kept base)
                         if tier < c.kept_share and c.kept_base_load_s is not None:

@@ -126,7 +126,8 @@ def test_tune_with_the_keepers_ring_loses_less_than_without(capsys):
     ring, local = lost(), lost("--peer-share", "0")
     for (gpus, strategy), hours in ring.items():
         if strategy in ("LowDiff + keepers", "LowDiff + keeper replicas"):
-            # no write batch lost with a node (its replicas stay on it: base and replay)
+            # no write batch lost with a node; its replicas' copies (16 bytes per shard
+            # parameter) come from the peer faster than storage's base and F/2 replays
             assert hours < local[gpus, strategy], gpus
         elif strategy == "LowDiff+ in keepers":
             # The node's replicas (840 GB for 70B on 8 GPUs) over the 100 Gb/s peer link against

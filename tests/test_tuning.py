@@ -31,7 +31,6 @@ from megatron_diffckpt.tuning import (
     optimal_full_interval,
     optimize,
     plan,
-    replay_slope_s,
     step_s,
     wall_per_iteration,
     write_s,
@@ -198,11 +197,8 @@ _REPLICAS = dict(_DIFFERENTIALS, kept_recovery_s=0.5)
 _PEERS = dict(peer_share=0.3, peer_restart_s=40.0, peer_fetch_s=2.0)
 # LowDiff's newest base in the keepers too: the failures they serve read no base from storage.
 _KEPT_BASE = dict(_DIFFERENTIALS, kept_base_load_s=0.5)
-# LowDiff's replicas in the keepers: none in the peer's (a node lost whole: base and replay).
-_LOWDIFF_REPLICAS = dict(_KEPT_BASE, kept_recovery_s=0.5, peer_replicas=False)
 KEPT = {
     "differentials": _DIFFERENTIALS,
-    "lowdiff-replicas+peers": {**_LOWDIFF_REPLICAS, **_PEERS},
     "differentials+base": _KEPT_BASE,
     "differentials+base+peers": {**_KEPT_BASE, **_PEERS},
     "replicas": _REPLICAS,
@@ -258,21 +254,6 @@ def test_failures_the_peers_serve_cost_what_their_tier_says_and_less_than_storag
     local = full_checkpointing(replace(bases, **KEPT["replicas"]))
     ring = full_checkpointing(replace(bases, **KEPT["replicas+peers"]))
     assert ring.full_interval > local.full_interval and ring.overhead < local.overhead
-
-
-def test_lowdiffs_replicas_serve_the_keepers_failures_without_replay_not_a_lost_nodes():
-    storage = SCENARIOS["fast-writer-mtbf-10min"]
-    based = replace(storage, **KEPT["differentials+base+peers"])
-    rolled = replace(storage, **KEPT["lowdiff-replicas+peers"])
-    t = step_s(storage, 4)
-    kept_tier = 10.0 + 0.5 + t / 2  # restart, the replica's copy, in flight: F does not count
-    peer_tier = 40.0 + 2.0 + 10.0 + 10 * 0.05 + t / 2  # storage's base and replay of F/2
-    assert failure_cost_s(rolled, 20, 4) == pytest.approx(
-        0.2 * failure_cost_s(storage, 20, 4) + 0.5 * kept_tier + 0.3 * peer_tier
-    )
-    assert replay_slope_s(rolled) == pytest.approx(storage.replay_s * 0.5)  # kept ones: none
-    assert optimize(rolled).overhead < optimize(based).overhead
-    assert optimize(rolled).full_interval > optimize(based).full_interval
 
 
 def test_a_base_in_the_keepers_serves_their_failures_not_a_lost_nodes():
