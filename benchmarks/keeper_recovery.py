@@ -136,9 +136,9 @@ def _recovery(text: str) -> dict:
     return out
 
 
-def measure(work: Path, size: str, repeats: int) -> dict:
+def measure(work: Path, size: str, repeats: int, only: list[str] | None = None) -> dict:
     model = SIZES[size][0]
-    runs: dict[str, list[dict]] = {name: [] for name in configs("")}
+    runs: dict[str, list[dict]] = {name: [] for name in configs("") if not only or name in only}
     for round_, name in interleaved(list(runs), repeats):
         ckpt = work / f"ckpt_{name}"
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -162,8 +162,10 @@ def measure(work: Path, size: str, repeats: int) -> dict:
         print(f"round {round_} {name}: {row}", flush=True)
     med = {n: statistics.median(r["iteration_s"] for r in rs) for n, rs in runs.items()}
     rec = {
-        n: statistics.median(r["recovery"]["seconds"] for r in runs[n]) for n in KILLED
+        n: statistics.median(r["recovery"]["seconds"] for r in runs[n]) for n in KILLED if n in runs
     }  # fmt: skip
+    if only:  # a subset (an A/B of a few configurations): no summary across all of them
+        return {"runs": runs, "iteration_s": med, "recovery_s": rec}
     return {
         "runs": runs,
         "iteration_s": med,
@@ -202,11 +204,21 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="rounds (runs per configuration)")
     parser.add_argument("--size", default="13M", choices=list(SIZES), help="the model size")
     parser.add_argument("--work", default=None, help="scratch folder (default: temp)")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="only these configurations, comma-separated (results go to "
+        "keeper_recovery_<names>.json, without the summary)",
+    )
     args = parser.parse_args()
+    only = args.configs.split(",") if args.configs else None
+    unknown = set(only or []) - set(configs(""))
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs(''))}")
     work = Path(args.work or tempfile.mkdtemp(prefix="keeper_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    result = measure(work, args.size, args.repeats)
+    result = measure(work, args.size, args.repeats, only)
     result["setup"] = {
         "command": " ".join(["python", "benchmarks/keeper_recovery.py", *sys.argv[1:]]),
         "size": args.size,
@@ -219,8 +231,12 @@ def main() -> int:
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "minutes": (time.time() - started) / 60.0,
     }
-    out = RESULTS / "keeper_recovery.json"
+    name = "keeper_recovery" + "".join(f"_{n}" for n in only or [])
+    out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
+    if only:
+        print(f"iteration (median of run medians): {result['iteration_s']}; wrote {out}")
+        return 0
     s = result["summary"]
     rec = result["recovery_s"]
     print(

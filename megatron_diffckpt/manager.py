@@ -221,15 +221,21 @@ class DiffCheckpointManager:
             for o in optimizer_step.inner_optimizers(self.optimizer)
         ]
 
-    def _recover_replica(self) -> tuple[int, int, int] | None:
-        since_process_start = _seconds_since_process_start()
-        got = keeper_merger.recover_from_keepers(
+    def _from_keepers_replicas(self, **lowdiff: Any) -> Any:
+        """:func:`~megatron_diffckpt.keeper_merger.recover_from_keepers` for this rank
+        (``lowdiff``: LowDiff's bounds and residuals). All ranks, collectively."""
+        return keeper_merger.recover_from_keepers(
             self.keeper,
             self._torch_optimizers(),
             lambda: optimizer_step.publish_main_params(self.optimizer),
             self.rng_tracker,
             recovery.all_reduce_min,
+            **lowdiff,
         )
+
+    def _recover_replica(self) -> tuple[int, int, int] | None:
+        since_process_start = _seconds_since_process_start()
+        got = self._from_keepers_replicas()
         if got is None:
             return None
         target, record, seconds, description, tier = got
@@ -250,12 +256,7 @@ class DiffCheckpointManager:
         since_process_start = _seconds_since_process_start()
         start = time.perf_counter()
         scan, chain, _, _ = self._chain(storage_base)
-        got = keeper_merger.recover_from_keepers(
-            self.keeper,
-            self._torch_optimizers(),
-            lambda: optimizer_step.publish_main_params(self.optimizer),
-            self.rng_tracker,
-            recovery.all_reduce_min,
+        got = self._from_keepers_replicas(
             floor=storage_base,
             ceiling=chain.last_iteration,
             residuals=self.residuals,

@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -198,28 +199,48 @@ def test_the_ranks_agree_on_the_newest_base_every_keeper_holds(
     assert _TwoRanks().run(agree) == [expected, expected]
 
 
-@pytest.mark.distributed
-def test_ranks_killed_recover_from_the_keepers_base_without_reading_storage(tmp_path):
-    """Bases every 5 (synchronous), batches of 8: rank 1 dies after handing iteration 12 over.
-    The restarted ranks take base 10 from their keepers (storage's is not read) and replay 11-12
-    from the keepers' records; the run ends equal to an uninterrupted one."""
-    common, _ = _keeper_job(tmp_path, total=16, full_interval=5)
+def _lowdiff_job(tmp_path: Path, total: int, *extra: str) -> tuple[list[str], Path, list[str]]:
+    """The uninterrupted reference of ``total`` iterations; ``(model flags, the job's folder,
+    its LowDiff flags)``: bases every 5, batches of 8, its end to ``tmp_path/resumed``."""
+    common, _ = _keeper_job(tmp_path, total=total, full_interval=5)
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
-    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5"]
-    diff += ["--dump-state", str(tmp_path / "resumed")]
+    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5", *extra]
+    return common, ckpt, [*diff, "--dump-state", str(tmp_path / "resumed")]
+
+
+def _covered(rank_dir: Path) -> set[int]:
+    """The iterations a rank's diff-log segments hold (by their names)."""
+    spans = [re.fullmatch(r"seg_(\d+)_(\d+)\.bin", f.name) for f in rank_dir.glob("seg_*")]
+    return {i for m in spans if m for i in range(int(m[1]), int(m[2]) + 1)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kept", ["base", "replica"])
+def test_ranks_killed_recover_from_the_keepers_without_reading_storage(tmp_path, kept):
+    """Bases every 5 (synchronous), batches of 8: rank 1 dies after handing iteration 12 over.
+    The restarted ranks take base 10 from their keepers (storage's is not read) and replay 11-12
+    from the keepers' records, or with ``--diffckpt-keeper-replica`` take iteration 12 from
+    their keepers' replicas (base 10 stepped with 11 and 12) and replay nothing; either way
+    storage's log is made to reach 12, and the run ends equal to an uninterrupted one."""
+    extra = ["--diffckpt-keeper-replica"] if kept == "replica" else []
+    common, ckpt, diff = _lowdiff_job(tmp_path, 16, *extra)
     proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
     log = _finish(proc, lines)
-    assert "failpoint iteration-end #12: SIGKILL of rank 1" in log
-    restart = log[log.index("failpoint iteration-end") :]
-    assert re.search(
-        r"recovery: base of iteration 10 from the node's keeper in [\d.]+ s \(storage's newest "
-        r"base: 10, not read\)",
-        restart,
-    ), restart[-3000:]
+    restart = log[log.index("failpoint iteration-end #12: SIGKILL of rank 1") :]
+    served, replayed = {
+        "base": (r"base of iteration 10 from the node's keeper in [\d.]+ s \(", 2),
+        "replica": (r"iteration 12 from the replica in the node's keeper in [\d.]+ s \(nothing "
+                    r"replayed; ", 0),
+    }[kept]  # fmt: skip
+    assert re.search(rf"recovery: {served}storage's newest base: 10, not read\)", restart), restart[
+        -3000:
+    ]
     assert "loaded checkpoint from" not in restart
-    assert "replayed 2 differential(s)" in restart
+    assert f"replayed {replayed} differential(s)" in restart
     assert re.search(r"recovered to iteration 12 in [\d.]+ s \(from the node keepers' memory", log)
+    for rank_dir in (ckpt / "diffckpt").glob("rank_*"):  # 11-12 were the keepers' alone
+        assert {11, 12} <= _covered(rank_dir), rank_dir.name
     _assert_ends_as_straight(tmp_path, 12)
 
 
@@ -257,44 +278,13 @@ def test_the_keepers_replica_steps_each_differential_one_behind_as_a_replay_woul
 
 
 @pytest.mark.distributed
-def test_ranks_killed_recover_from_the_keepers_replica_replaying_nothing(tmp_path):
-    """``--diffckpt-keeper-replica``, bases every 5, batches of 8: rank 1 dies after handing
-    iteration 12 over. The restarted ranks take iteration 12 from their keepers' replicas
-    (base 10 stepped with 11 and 12): no base read, nothing replayed; storage's log is made to
-    reach 12, and the run ends equal to an uninterrupted one."""
-    common, _ = _keeper_job(tmp_path, total=16, full_interval=5)
-    ckpt = tmp_path / "ckpt"
-    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
-    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5", "--diffckpt-keeper-replica"]
-    diff += ["--dump-state", str(tmp_path / "resumed")]
-    proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
-    log = _finish(proc, lines)
-    restart = log[log.index("failpoint iteration-end #12: SIGKILL of rank 1") :]
-    assert re.search(
-        r"recovery: iteration 12 from the replica in the node's keeper in [\d.]+ s \(nothing "
-        r"replayed; storage's newest base: 10, not read\)",
-        restart,
-    ), restart[-3000:]
-    assert "loaded checkpoint from" not in restart and "replayed 0 differential(s)" in restart
-    for rank_dir in (ckpt / "diffckpt").glob("rank_*"):  # 11-12 were the keepers' alone
-        spans = [re.fullmatch(r"seg_(\d+)_(\d+)\.bin", f.name) for f in rank_dir.glob("seg_*")]
-        covered = {i for m in spans if m for i in range(int(m[1]), int(m[2]) + 1)}
-        assert {11, 12} <= covered, (rank_dir.name, sorted(covered))
-    _assert_ends_as_straight(tmp_path, 12)
-
-
-@pytest.mark.distributed
 def test_a_base_the_keepers_hold_but_storage_never_published_is_recovered(tmp_path):
     """Asynchronous bases every 5: rank 1 dies right after its keeper acknowledged base 10, before
     storage published it. The restart finds storage's newest base older than the keepers' 10:
     it recovers 10 with nothing replayed and reads no base from storage, writes storage's log
     up to 10 (a later restart from storage alone gets there too), and ends equal to an
     uninterrupted run."""
-    common, _ = _keeper_job(tmp_path, total=14, full_interval=5)
-    ckpt = tmp_path / "ckpt"
-    diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
-    diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5", "--async-save"]
-    diff += ["--dump-state", str(tmp_path / "resumed")]
+    common, ckpt, diff = _lowdiff_job(tmp_path, 14, "--async-save")
     proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "base-kept:2@1"})
     log = _finish(proc, lines)
     assert "failpoint base-kept #2: SIGKILL of rank 1" in log
@@ -314,9 +304,7 @@ def test_a_base_the_keepers_hold_but_storage_never_published_is_recovered(tmp_pa
     assert re.search(r"recovered to iteration 10 in", restart), restart[-3000:]
     # storage's log reaches 10 from its newest base: a restart from storage alone gets there too
     for rank_dir in (ckpt / "diffckpt").glob("rank_*"):
-        spans = [re.fullmatch(r"seg_(\d+)_(\d+)\.bin", f.name) for f in rank_dir.glob("seg_*")]
-        covered = {i for m in spans if m for i in range(int(m[1]), int(m[2]) + 1)}
-        assert set(range(stored + 1, 11)) <= covered, (rank_dir.name, sorted(covered))
+        assert set(range(stored + 1, 11)) <= _covered(rank_dir), rank_dir.name
     _assert_ends_as_straight(tmp_path, 10)
 
 
