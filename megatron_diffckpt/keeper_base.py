@@ -31,6 +31,12 @@ replaying them. Here every base a rank saves is also staged in its keeper's memo
 Bases are not copied to the next node's keeper: a node lost whole comes back with an empty
 keeper, so its ranks hold no base, and every rank loads storage's (the peer's differentials
 still serve the replay, :mod:`~megatron_diffckpt.keeper_peers`).
+
+4. **Replica** (``--diffckpt-keeper-replica``): from each kept base on, the keeper also steps a
+   copy of it with every differential the rank hands over, one iteration behind
+   (:meth:`~megatron_diffckpt.keeper_replica.HostedReplicas.roll_from`), so that a restart
+   takes the recovered iteration's state from it and replays nothing; this replica does go
+   around the ring.
 """
 
 from __future__ import annotations

@@ -34,6 +34,14 @@ Exactness: the keeper runs the same torch optimizer class with the same options 
 inputs (:func:`~megatron_diffckpt.replica_merger.step_replica`), so on CPU the replica is
 bit-identical to the training state, as in-process.
 
+The diff log: the keeper also writes the rank's dense diff log from its merges
+(:class:`ReplicaLog`), so that storage holds every iteration too.
+
+LowDiff (``--diffckpt-keeper-replica``) reuses the same replica and recovery: from each base
+the keeper holds (:mod:`~megatron_diffckpt.keeper_base`), a replica stepped with the rank's
+differentials themselves (:meth:`HostedReplica.take_differential`), one behind, on one worker
+thread, and copied around the ring the same way (``replica_copy_step``).
+
 This module is the keeper's side (:class:`HostedReplicas`, one lock per rank);
 :mod:`~megatron_diffckpt.keeper_merger` is the rank's, :mod:`~megatron_diffckpt.shared_replica`
 what both share.

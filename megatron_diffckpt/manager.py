@@ -202,8 +202,10 @@ class DiffCheckpointManager:
         replayed). LowDiff under a keeper: from the newest base every rank's keeper holds
         (:mod:`~megatron_diffckpt.keeper_base`), when it is at least ``storage_base`` (storage's
         newest; newer than it when the loop ``loaded`` it already), then the differentials
-        after it. Returns ``(iteration, scheduler_steps, consumed_samples)``; ``None``: load
-        storage's newest base and :meth:`recover` as without keepers.
+        after it; with ``--diffckpt-keeper-replica`` first from the keepers' replicas of that
+        base stepped with the differentials (nothing replayed). Returns ``(iteration,
+        scheduler_steps, consumed_samples)``; ``None``: load storage's newest base and
+        :meth:`recover` as without keepers.
         """
         if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica:
             return self._recover_replica()
