@@ -23,6 +23,7 @@ import torch
 from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.errors import DiffCkptUsageError
+from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
@@ -173,6 +174,9 @@ class KeeperReplicaMerger(QueuedMerges):
                 f"({self.client.lost}); a restart recovers from storage's newest base"
             )
         if "error" in reply[0]:
+            if reply[0].get("kind") == "StorageFullError":  # the diff log the keeper writes
+                raise StorageFullError(f"the node's keeper, writing this rank's diff log: "
+                                       f"{reply[0]['error']}")  # fmt: skip
             message = f"the node's keeper refused LowDiff+'s replica: {reply[0]['error']}"
             if "cap" in reply[0]["error"]:
                 raise DiffCkptUsageError(f"{message}; {KEEPER_FLAG_HINT}")

@@ -62,6 +62,7 @@ import torch
 
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
+from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.recovery import truncate_log
 from megatron_diffckpt.replica_merger import (
     ParamSlice,
@@ -374,8 +375,9 @@ class HostedReplicas:
                 return {"error": "the keeper holds no replica of this rank"}, b""
             with replica.lock:
                 return self._serve(op, replica, req, payload)
-        except (ValueError, KeyError, OSError, RuntimeError) as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}, b""
+        except (ValueError, KeyError, OSError, RuntimeError, DiffCkptError) as exc:
+            # the diff log the keeper writes: a full filesystem, another writer of the folder
+            return {"error": f"{type(exc).__name__}: {exc}", "kind": type(exc).__name__}, b""
 
     def _serve(self, op: str, replica: HostedReplica, req: dict, payload: bytearray):
         start = time.perf_counter()

@@ -34,6 +34,7 @@ import torch
 
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture
+from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.writer import DiffLogWriter
 
@@ -211,8 +212,11 @@ class QueuedMerges:
             self._cond.notify_all()
 
     def _raise_background_error(self) -> None:
-        if self._worker.error is not None:
-            raise RuntimeError(self.failure) from self._worker.error
+        error = self._worker.error
+        if isinstance(error, StorageFullError):  # the diff log: stops training in its own words
+            raise error
+        if error is not None:
+            raise RuntimeError(self.failure) from error
 
     def _failed(self, exc: BaseException) -> None:
         logger.error(self.failure, exc_info=exc)

@@ -31,9 +31,10 @@ from test_keeper import (
 
 from megatron_diffckpt.capture import record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.keeper import KeeperClient, query, stop
+from megatron_diffckpt.full_storage import StorageFullError
+from megatron_diffckpt.keeper import KeeperClient, KeeperState, query, stop
 from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
-from megatron_diffckpt.keeper_replica import HostedReplica, ReplicaLog
+from megatron_diffckpt.keeper_replica import HostedReplica, HostedReplicas, ReplicaLog
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe, initial_adam_state
 from megatron_diffckpt.snapshot import BucketSnapshotter
@@ -255,6 +256,40 @@ def test_a_new_chain_in_the_keepers_log_cuts_what_an_older_attempt_wrote_after_i
     log.writer.rebase(3)
     assert log.writer.durable_iteration == 3
     log.close()
+
+
+def test_a_full_filesystem_under_the_keepers_log_stops_the_rank_in_its_own_words(tmp_path):
+    """The keeper's writer of a rank's diff log meets a full filesystem (``--diffckpt-when-full
+    block``): the hand-over's reply names it, and the rank raises
+    :class:`~megatron_diffckpt.full_storage.StorageFullError` (as its own writer would), not
+    "the keeper is gone"."""
+    train = _training_optimizer()
+    (tmp_path / "shm").mkdir()
+    hosted, buffers = _hosted(tmp_path / "shm", train)
+    hosted.log = ReplicaLog(_log_spec(tmp_path / "diffckpt"), 0, asdict(IDENTITY))
+
+    def full(record):
+        raise StorageFullError("the diff log cannot be written, /ckpt: No space left on device")
+
+    hosted.log.writer.append = full
+    replicas = HostedReplicas(KeeperState(2**30), str(tmp_path / "shm"))
+    key = tuple(sorted(asdict(IDENTITY).items()))
+    replicas._replicas[key] = hosted
+    replies = [
+        replicas.handle("replica_merge", key, _step(train, buffers[it % 2], it), _counters(it))
+        for it in (1, 2)
+    ]
+    assert "error" not in replies[0][0] and replies[1][0]["kind"] == "StorageFullError"
+
+    class Client:  # the rank's side of that reply
+        def call(self, request, payload=b""):
+            return replies[1]
+
+    rank = KeeperReplicaMerger.__new__(KeeperReplicaMerger)
+    rank.client = Client()
+    with pytest.raises(StorageFullError, match="No space left on device"):
+        rank._call({"op": "replica_merge"})
+    hosted.log.writer.close()
 
 
 def test_a_replica_over_the_keepers_cap_is_refused_naming_the_flag(tmp_path):
