@@ -458,6 +458,11 @@ class HostedReplicas:
                 self._drop(self._replicas, key)
 
     def _roll_from(self, key: tuple, base: Any) -> None:
+        from megatron_diffckpt.keeper_base import _missing
+
+        lost = _missing(base)  # dropped meanwhile (a restart): mapping it would make it, zeroed
+        if lost:
+            raise ValueError(f"the base of iteration {base.iteration} lost a file ({lost})")
         arena = SharedArena(self.folder)
         try:
             optimizers = [
