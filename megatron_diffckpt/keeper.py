@@ -260,9 +260,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 key = _key(req["identity"])
                 reply = server.bases.handle(op, key, req, payload)
                 _send(self.request, *reply)
-                kept = server.bases.get(key, int(req.get("iteration", -1)))
-                if op == "base_put" and req.get("replica") and reply[0].get("ok") and kept:
-                    server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
+                if op == "base_put" and req.get("replica") and reply[0].get("ok"):
+                    kept = server.bases.get(key, int(req["iteration"]))
+                    if kept is not None:
+                        server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
             elif op == "stats":
                 _send(self.request, server.stats())
             elif op == "stop" and not from_peer:
@@ -272,10 +273,6 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             else:
                 _send(self.request, {"error": f"unknown request {op!r}"})
-
-                kept = server.bases.get(key, int(req.get("iteration", -1)))
-                if op == "base_put" and req.get("replica") and reply[0].get("ok") and kept:
-                    server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
 
     def _chain(self, req: dict, state: KeeperState, link: Any, from_peer: bool) -> None:
         records = state.chain(req["identity"], int(req["after"]))

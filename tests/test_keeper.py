@@ -112,6 +112,15 @@ def keeper(tmp_path):
     proc.wait(30)
 
 
+def test_an_unknown_request_is_answered_and_the_connection_serves_on(keeper):
+    client = KeeperClient(keeper, ME)
+    assert client.call({"op": "no-such-request"})[0] == {
+        "error": "unknown request 'no-such-request'"
+    }
+    assert client.stats()["ranks"] == 0 and client.lost is None
+    client.close()
+
+
 def test_what_a_killed_client_handed_over_is_served_back_exactly(keeper, tmp_path):
     script = textwrap.dedent(
         f"""
