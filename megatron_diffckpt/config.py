@@ -95,6 +95,11 @@ class DiffCkptConfig:
     without reading storage, and from storage's bases and diff log when a keeper was lost
     (without a keeper: in-process, as without this flag)."""
 
+    plus_ranks_write_bases: bool = False
+    """lowdiff-plus with --diffckpt-plus-keeper-replica: each rank writes its base's files
+    itself (megatron's file writer on threads of the rank). By default the keeper writes them,
+    from the rank's persist copy in shared memory: the ranks only plan and finalize bases."""
+
     keeper_no_base: bool = False
     """lowdiff under a node launcher with a keeper: do not stage each base in the keeper's
     memory. By default every base is also copied there (one host copy of the optimizer shard
@@ -144,6 +149,11 @@ class DiffCkptConfig:
                 "--diffckpt-plus-keeper-replica is for --diffckpt-mode lowdiff-plus without "
                 "--diffckpt-auto-tune (the keeper writes the diff log; the tuner measures the "
                 "ranks' writer)"
+            )
+        if self.plus_ranks_write_bases and not self.plus_keeper_replica:
+            raise DiffCkptUsageError(
+                "--diffckpt-plus-ranks-write-bases is for --diffckpt-plus-keeper-replica (without "
+                "it the ranks write their bases anyway)"
             )
         if self.keeper_replica and (self.mode != "lowdiff" or self.keeper_no_base):
             raise DiffCkptUsageError(

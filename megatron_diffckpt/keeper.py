@@ -28,7 +28,9 @@ the keeper itself writes the diff log, from its merges.)
   payload: the records end to end), ``stats``, ``stop``; ``replica_*``: LowDiff+'s replica
   hosted here, its merges, the diff log written from them, and its recovery
   (:mod:`~megatron_diffckpt.keeper_replica`);
-  ``base_*``: LowDiff's newest base in memory (:mod:`~megatron_diffckpt.keeper_base`).
+  ``base_*``: LowDiff's newest base in memory (:mod:`~megatron_diffckpt.keeper_base`);
+  ``write_files``: a LowDiff+ base's files, written here for the rank
+  (:mod:`~megatron_diffckpt.keeper_writes`).
 - **A ring.** With ``--peers DIR --node N --nnodes M``, a second server on TCP takes the same
   requests from the previous node's keeper (each with this keeper's token), and every record
   and published base is copied to the next node's; a ``chain`` this keeper cannot serve (it was
@@ -256,6 +258,10 @@ class _Handler(socketserver.BaseRequestHandler):
                     niced = lower_priority()
                 reply = server.replicas.handle(op, _key(req["identity"]), req, payload)
                 _send(self.request, *reply)
+            elif op == "write_files" and not from_peer:
+                if not niced:  # a base's writing comes after training, as the rank's persister
+                    niced = lower_priority()
+                _send(self.request, *server.writes.handle(_key(req["identity"]), req, payload))
             elif op.startswith("base_") and not from_peer:
                 key = _key(req["identity"])
                 reply = server.bases.handle(op, key, req, payload)
@@ -297,6 +303,7 @@ class _Serving:
         self.stopping = False
         self.replicas: Any = None  # the local server's HostedReplicas
         self.bases: Any = None  # the local server's KeptBases
+        self.writes: Any = None  # the local server's KeeperWrites
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.stop_all: Any = None  # set by serve()
@@ -308,6 +315,8 @@ class _Serving:
             out["shm"] = self.replicas.folder
         if self.bases is not None:
             out["bases"] = self.bases.stats()
+        if self.writes is not None:
+            out["writes"] = self.writes.stats()
         if self.link is not None:
             out["peer"] = {"successor": self.link.successor, "dropped": self.link.dropped}
             for c in out["chains"]:
@@ -368,6 +377,7 @@ def serve(
     from megatron_diffckpt.keeper_base import KeptBases
     from megatron_diffckpt.keeper_peers import PeerLink
     from megatron_diffckpt.keeper_replica import HostedReplicas
+    from megatron_diffckpt.keeper_writes import KeeperWrites
 
     state = KeeperState(memory)
     servers: list[Any] = []
@@ -394,6 +404,7 @@ def serve(
     os.makedirs(shm, mode=0o700, exist_ok=True)
     local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
     local.bases = KeptBases(state, os.path.abspath(shm))
+    local.writes = KeeperWrites(os.path.abspath(shm))
     for server in servers:  # the peers' server takes the copies
         server.replicas = local.replicas
     servers.insert(0, local)
@@ -431,7 +442,7 @@ class KeeperClient:
 
     TIMEOUT_S = 60.0
 
-    def __init__(self, path: str, identity: SegmentIdentity):
+    def __init__(self, path: str, identity: SegmentIdentity, timeout: float | None = TIMEOUT_S):
         self.path = path
         self.identity = asdict(identity)
         self.lost: str | None = None
@@ -442,8 +453,14 @@ class KeeperClient:
         self._refused_warned = False
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(self.TIMEOUT_S)
+        self._sock.settimeout(timeout)
         self._sock.connect(path)
+
+    def sibling(self, timeout: float | None = TIMEOUT_S) -> KeeperClient:
+        """Another connection of this rank to the same keeper (calls on it wait for none on
+        this one); ``timeout=None``: a call waits as long as the keeper works on it, and ends
+        only with the keeper."""
+        return KeeperClient(self.path, SegmentIdentity(**self.identity), timeout)
 
     @classmethod
     def from_env(cls, identity: SegmentIdentity) -> KeeperClient | None:

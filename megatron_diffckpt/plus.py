@@ -15,8 +15,10 @@ this module holds the order of things:
 4. base due: once the replica holds the iteration, the training thread copies it into a persist
    buffer (a host memcpy; the merger goes on with the next iterations) and the training loop's
    save function plans a stock dist checkpoint of the copy (a collective; see
-   :mod:`megatron_diffckpt.strategy` for its protocol); a persister thread writes it, and once
-   every rank has written, the training thread finalizes it (metadata last) and publishes it.
+   :mod:`megatron_diffckpt.strategy` for its protocol); a persister thread writes it (with the
+   replica in the node's keeper: the keeper writes the files from shared memory,
+   :mod:`~megatron_diffckpt.keeper_writes`), and once every rank has written, the training
+   thread finalizes it (metadata last) and publishes it.
 
 Collective rule: :meth:`start`, :meth:`end_iteration`, :meth:`save_base` and :meth:`close` are
 called by all ranks together (``end_iteration`` is a collective while a base is being written).
@@ -38,6 +40,7 @@ from megatron_diffckpt import failpoints, full_storage, recovery
 from megatron_diffckpt.background import CpuMeter, lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
 from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
+from megatron_diffckpt.keeper_writes import HandedWrites
 from megatron_diffckpt.patches import (
     base_checkpoint,
     bucket_snapshot,
@@ -52,6 +55,7 @@ from megatron_diffckpt.replica_merger import (
     host_group_like,
     refresh_replicas,
 )
+from megatron_diffckpt.shared_replica import SharedArena
 from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
 from megatron_diffckpt.storage.writer import DiffLogWriter
 from megatron_diffckpt.strategy import BaseSource, IterationCost, PerIterationStrategy, SaveBase
@@ -92,6 +96,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             (:mod:`~megatron_diffckpt.keeper_replica`; one more snapshot slot, in shared memory).
         keeper_log: with ``keeper``, the settings of the diff log the keeper writes from its
             merges (:class:`~megatron_diffckpt.keeper_replica.ReplicaLog`); ``None``: none.
+        keeper_writes_bases: with ``keeper``, the keeper writes each base's files (the persist
+            copy and the model parameters in its shared-memory folder); else this rank does.
     """
 
     name = "lowdiff-plus"
@@ -107,6 +113,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         on_base_failed: Callable[[int, BaseException], None] | None = None,
         keeper: Any = None,
         keeper_log: dict[str, Any] | None = None,
+        keeper_writes_bases: bool = True,
     ):
         if not model_chunks:
             raise ValueError(
@@ -159,7 +166,16 @@ class LowDiffPlusStrategy(PerIterationStrategy):
                 self._first_param[id(params[0])] = i
         dp_group = next(o for o in inners if not getattr(o, "is_stub_optimizer", False))
         self._host_group = host_group_like(dp_group.data_parallel_group)
-        self.model_params = ReplicaModelParams(optimizer, layout, self._host_group)
+        self._handed: HandedWrites | None = None  # the keeper writing the base files
+        if self.in_keeper and keeper_writes_bases:
+            arena = SharedArena(keeper.shm_folder())
+            self._handed = HandedWrites(keeper.sibling(timeout=None), arena)
+        self.model_params = ReplicaModelParams(
+            optimizer,
+            layout,
+            self._host_group,
+            empty=self._handed.arena.empty if self._handed is not None else None,
+        )
         self._persist_copies: list[torch.optim.Optimizer | None] | None = None
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="diffckpt-persister")
         self._inputs = StepInputs()
@@ -256,7 +272,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             copies = self._snapshot_replica()
         with self.cpu.measure("base planning"):
             source = BaseSource(replica_view(self.optimizer, copies), self.model_params, True)
-            write, finalize = base_checkpoint.split_async_request(save(source))
+            write, finalize = base_checkpoint.split_async_request(save(source), self._handed)
 
         def write_replica():
             lower_priority()
@@ -264,7 +280,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             with self.cpu.measure("base gather"):
                 self.model_params.fill(copies)
             with self.cpu.measure("base write"):
-                self.cpu.add("base write", write())  # + the file writers' threads
+                writers = write()  # the file writers' threads: here, or in the keeper
+            handed = self._handed is not None and self._handed.last_in_keeper
+            self.cpu.add("base write in the keeper" if handed else "base write", writers)
             return time.perf_counter() - began
 
         future = self._persister.submit(write_replica)
@@ -322,8 +340,12 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         }
 
     def _snapshot_replica(self) -> list[torch.optim.Optimizer | None]:
-        """Copy the (idle) replica into the persist buffers, created on first use."""
-        self._persist_copies = refresh_replicas(self.merger.optimizers, self._persist_copies)
+        """Copy the (idle) replica into the persist buffers, created on first use (in the
+        keeper's folder when the keeper writes the base)."""
+        alloc = {"alloc": self._handed.arena.copy} if self._handed is not None else {}
+        self._persist_copies = refresh_replicas(
+            self.merger.optimizers, self._persist_copies, **alloc
+        )
         return self._persist_copies
 
     def _poll_persist(self, block: bool) -> None:
@@ -345,9 +367,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
                 raise
             self.on_base_failed(iteration, exc)
             return
+        handed = self._handed is not None and self._handed.last_in_keeper
         logger.info(
-            "LowDiff+: base of iteration %d published (written by the merger in %.3f s)",
+            "LowDiff+: base of iteration %d published (written by %s in %.3f s)",
             iteration,
+            "the node's keeper" if handed else "the merger",
             written_s,
         )
 
@@ -395,6 +419,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.snapshotter.flush()
         self.merger.wait_idle()
         self._poll_persist(block=True)
+        if self._handed is not None:
+            self._handed.close()
         optimizer_step.detach(self.optimizer)
         self._time_training_steps(False)
         bucket_snapshot.remove_clip_observer(self._on_clip)

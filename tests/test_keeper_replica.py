@@ -407,6 +407,9 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     before = _last_logged(first[: got.start()])
     assert 11 <= before <= int(got[1]) <= before + 1  # nothing a keeper acknowledged is lost
     assert "loaded checkpoint from" not in first
+    # the keepers wrote the bases' files (the ranks planned and published them)
+    assert "base of iteration 5 published (written by the node's keeper in" in first, first[-3000:]
+    assert "writes its base's files itself" not in first
     # the keepers wrote each rank's diff log (the ranks write none in this mode): its segments
     # reach well past base 10 (iteration 12 was merged long before the kill after 17)
     for rank_dir in (tmp_path / "ckpt" / "diffckpt").glob("rank_*"):

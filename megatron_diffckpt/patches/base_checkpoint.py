@@ -187,9 +187,16 @@ def load_residuals(checkpoint: str, residuals: Any) -> bool:
     return True
 
 
-def split_async_request(request: Any) -> tuple[Callable[[], float], Callable[[], None]]:
+def split_async_request(
+    request: Any, run_writer: Callable[..., tuple[Any, float]] | None = None
+) -> tuple[Callable[[], float], Callable[[], None]]:
     """``(write, finalize)`` of an unscheduled megatron ``AsyncRequest`` (see the module doc).
-    ``write()`` returns the CPU seconds its file-writer threads took."""
+    ``write()`` returns the CPU seconds its file writers took.
+
+    ``run_writer(write_files, *args)`` runs megatron's file writer where the caller chooses
+    (LowDiff+ with its replica in the node's keeper: in the keeper,
+    :mod:`~megatron_diffckpt.keeper_writes`) and returns what :func:`write_files` returns;
+    default: here."""
     check_drift()
     if request is None or not hasattr(request, "finalize_fns"):
         raise TypeError(
@@ -207,13 +214,20 @@ def split_async_request(request: Any) -> tuple[Callable[[], float], Callable[[],
         if files is None:  # another writer than megatron's file writer: run it as it is
             request.async_fn(*args, **request.async_fn_kwargs)
             return 0.0
-        return _write_files_on_threads(*files, *args)
+        _rank, write_buckets, results_queue = args  # megatron's writer only logs the rank
+        outcome, cpu = (run_writer or _run_here)(write_files, *files, write_buckets)
+        results_queue.put(outcome)  # fewer results than files: megatron's finalize reports it
+        return cpu
 
     def finalize() -> None:
         for fn in request.finalize_fns:
             fn()
 
     return write, finalize
+
+
+def _run_here(writer: Callable[..., Any], *args: Any) -> Any:
+    return writer(*args)
 
 
 # megatron's file writer (FileSystemWriterAsync): the function an AsyncRequest of a torch_dist
@@ -270,13 +284,13 @@ def _without_zip_crc32() -> Iterator[None]:
         torch.serialization.set_crc32_options(before)
 
 
-def _write_files_on_threads(
-    transform_list: Any, use_msc: bool, rank: int, write_buckets: list, results_queue: Any
-) -> float:
-    """What megatron's file writer does (one writer per file, then ``{file index: write
-    results}`` or the first error into ``results_queue``, which the finalize step reads), on
-    threads of this process. Returns the threads' CPU seconds."""
-    del rank  # megatron's writer only logs it
+def write_files(
+    transform_list: Any, use_msc: bool, write_buckets: list
+) -> tuple[dict | Exception, float]:
+    """What megatron's file writer does (one writer per file; ``{file index: write results}``
+    or the first error, which megatron's finalize step reads from its results queue), on
+    threads of the calling process; and the threads' CPU seconds. Any process that can import
+    megatron (a rank, or its node's keeper)."""
     writer = _per_file_writer()
     results: queue.Queue = queue.Queue()
     done: queue.Queue = queue.Queue()  # megatron's "count" queue: each writer takes one item
@@ -310,8 +324,7 @@ def _write_files_on_threads(
             outcome = written
             break
         outcome[index] = written
-    results_queue.put(outcome)  # fewer results than files: megatron's finalize reports it
-    return sum(cpu)
+    return outcome, sum(cpu)
 
 
 _WARM_UP: Future | None = None

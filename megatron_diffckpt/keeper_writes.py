@@ -1,0 +1,265 @@
+"""LowDiff+'s base files written by the node's keeper: no base writing in the ranks.
+
+With LowDiff+'s replica in the keeper (``--diffckpt-plus-keeper-replica``), a base is the
+replica at one iteration, which the rank copies into files of the keeper's shared-memory folder
+(the persist copy of the optimizer shard, and the model parameters gathered from it). Megatron
+plans the base in the rank as for any asynchronous save: its planner and its write buckets (which
+tensor goes into which file, under which key). What takes the cores is the writing: serialising
+every tensor, writing and syncing the files. That part runs in the keeper:
+
+1. The rank (:class:`HandedWrites`, on its persister thread, over a connection of its own) sends
+   the writer's name and its arguments, pickled with every tensor by reference when it lies in a
+   file of the keeper's folder (file, dtype, shape, strides, offset: none of its bytes travel)
+   and by value (its raw bytes) otherwise.
+2. The keeper (:class:`KeeperWrites`, on the connection's thread, niced) maps the files, calls
+   the writer, and replies with its result: megatron's write results, or the error a file hit.
+   The rank hands it to megatron's finalize step as if it had written the files: same files,
+   same bytes, a stock checkpoint published by the ranks' collective finalize (metadata last).
+
+Trust: a request is read by an unpickler that resolves only the writers in :data:`WRITERS` and
+the plain classes a write plan is made of (torch DCP's planner items, dtypes, sizes,
+``io.BytesIO``); tensors never go through torch's own unpickling, and a referenced file must lie
+in the keeper's folder. The keeper takes these requests on its Unix socket only (its folder is
+its user's alone), never from peers. The reply is read by the rank with plain ``pickle``: it
+comes from its own node's keeper.
+
+Failures: a keeper lost mid-write (the connection ends) leaves the rank to write every file
+itself; a rank killed mid-write leaves the keeper to finish files that no finalize publishes
+(metadata is written last, by the ranks, as for any base). The rank's files are its own; the
+keeper remembers the newest set each rank named and removes a set no later request names (a
+restarted rank's predecessor's), and the whole folder when it stops.
+
+Which threads: :class:`HandedWrites` is called by one rank thread at a time (the persister);
+:class:`KeeperWrites` by the keeper's connection threads, one write per rank at a time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_diffckpt.keeper_replica import _who
+from megatron_diffckpt.shared_replica import SharedArena, remove_files, tensor_bytes
+
+logger = logging.getLogger(__name__)
+
+WRITERS = ("megatron_diffckpt.patches.base_checkpoint:write_files",)
+"""The writers a keeper runs (``module:function``); the keeper imports a writer's module when a
+rank first names it (megatron's, for a base's files)."""
+
+_BUILTINS = frozenset({"set", "frozenset", "slice", "bytearray", "complex"})
+_CLASSES = frozenset({("collections", "OrderedDict"), ("_io", "BytesIO"), ("io", "BytesIO")})
+_PLAN_MODULE = "torch.distributed.checkpoint"
+
+
+def writer_name(writer: Callable[..., Any]) -> str:
+    return f"{writer.__module__}:{writer.__qualname__}"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+class _Pickler(pickle.Pickler):
+    """Tensors as references to the arena's files, else as raw bytes (never torch's pickling)."""
+
+    def __init__(self, file: io.BytesIO, arena: SharedArena | None):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arena = arena
+        self.by_reference = 0
+        self.by_value = 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        tensor = obj.detach()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        file = self.arena.file_of(tensor) if self.arena is not None else None
+        nbytes = tensor.numel() * tensor.element_size()
+        if file is not None:
+            self.by_reference += nbytes
+            offset = tensor.storage_offset()
+            return ("file", file, dtype, list(tensor.shape), list(tensor.stride()), offset)
+        self.by_value += nbytes
+        return ("bytes", dtype, list(tensor.shape), tensor_bytes(tensor.cpu()))
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads what :class:`_Pickler` wrote, resolving only the names a write plan needs and
+    mapping only files of ``folder``."""
+
+    def __init__(self, file: io.BytesIO, folder: str):
+        super().__init__(file)
+        self.folder = folder
+        self._mapped: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _BUILTINS or (module, name) in _CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and name in ("Size", "device"):
+            return super().find_class(module, name)
+        if module == "torch":  # dtypes, layouts, memory formats (tensor properties)
+            found = getattr(torch, name, None)
+            if isinstance(found, torch.dtype | torch.layout | torch.memory_format):
+                return found
+            raise pickle.UnpicklingError(f"a write request may not name torch.{name}")
+        if (module, name) == ("torch.serialization", "_get_layout"):  # a name -> a layout
+            return super().find_class(module, name)
+        if module == _PLAN_MODULE or module.startswith(_PLAN_MODULE + "."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # a plan's classes (items, enums), no function
+                return found
+        raise pickle.UnpicklingError(f"a write request may not name {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        if pid[0] == "bytes":
+            _, dtype, shape, raw = pid
+            if not raw:
+                return torch.empty(shape, dtype=_dtype(dtype))
+            return torch.frombuffer(bytearray(raw), dtype=_dtype(dtype)).view(shape)
+        if pid[0] != "file":
+            raise pickle.UnpicklingError(f"unknown tensor reference {pid[0]!r}")
+        _, file, dtype, shape, stride, offset = pid
+        return self._map(file, _dtype(dtype)).as_strided(shape, stride, offset)
+
+    def _map(self, file: str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole file as a flat tensor of ``dtype`` (mapped, never created: a file that is
+        gone is an error, not a new zeroed one)."""
+        if (file, dtype) in self._mapped:
+            return self._mapped[(file, dtype)]
+        if os.path.dirname(os.path.abspath(file)) != self.folder:
+            raise pickle.UnpicklingError(f"{file} is not in the keeper's folder {self.folder}")
+        size = os.stat(file).st_size  # FileNotFoundError: the rank removed it meanwhile
+        if size % dtype.itemsize:
+            raise pickle.UnpicklingError(f"{file}: {size} bytes is no whole number of {dtype}")
+        flat = torch.from_file(file, shared=True, size=size // dtype.itemsize, dtype=dtype)
+        self._mapped[(file, dtype)] = flat
+        return flat
+
+
+def dumps(args: tuple, arena: SharedArena | None) -> tuple[bytes, int, int]:
+    """``args`` pickled for a keeper; with the bytes referenced and the bytes copied."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, arena)
+    pickler.dump(args)
+    return buf.getvalue(), pickler.by_reference, pickler.by_value
+
+
+def loads(payload: bytes | bytearray, folder: str) -> tuple:
+    """What :func:`dumps` wrote, as the keeper reads it (see the module doc)."""
+    return _Unpickler(io.BytesIO(payload), folder).load()
+
+
+class HandedWrites:
+    """The rank's side: ``handed(writer, *args)`` runs ``writer(*args)`` in the node's keeper and
+    returns its result; where the keeper cannot (lost, or it failed before writing), here.
+
+    ``client``: a :class:`~megatron_diffckpt.keeper.KeeperClient` of its own, without a timeout
+    (a write takes what it takes; the handover thread keeps its own connection); ``arena``: the
+    rank's tensors in the keeper's folder (passed by reference).
+    """
+
+    def __init__(self, client: Any, arena: SharedArena):
+        self.client = client
+        self.arena = arena
+        self.in_keeper = 0
+        """Writes the keeper ran."""
+        self.here = 0
+        """Writes this rank ran itself (its keeper lost or failing)."""
+        self.last: dict[str, float] = {}
+        """The last write in the keeper: seconds, bytes referenced and copied."""
+        self.last_in_keeper = False
+        """Whether the last call ran in the keeper."""
+
+    def __call__(self, writer: Callable[..., Any], *args: Any) -> Any:
+        name = writer_name(writer)
+        if name not in WRITERS:
+            raise ValueError(f"{name} is not a writer the keeper runs ({', '.join(WRITERS)})")
+        began = time.perf_counter()
+        payload, referenced, copied = dumps(args, self.arena)
+        request = {"op": "write_files", "writer": name, "files": self.arena.files()}
+        reply = self.client.call(request, payload)
+        if reply is None or "error" in reply[0]:
+            why = "the keeper is lost" if reply is None else reply[0]["error"]
+            if not self.here:
+                logger.warning("LowDiff+: this rank writes its base's files itself (%s)", why)
+            self.here += 1
+            self.last_in_keeper = False
+            return writer(*args)
+        self.in_keeper += 1
+        self.last_in_keeper = True
+        self.last = {
+            "seconds": time.perf_counter() - began,
+            "referenced_bytes": referenced,
+            "copied_bytes": copied,
+        }
+        return pickle.loads(reply[1])
+
+    def close(self) -> None:
+        """Remove the rank's files (mappings stay valid) and end the connection."""
+        remove_files(self.arena.files(), self.arena.folder)
+        self.arena.specs.clear()
+        self.client.close()
+
+
+class KeeperWrites:
+    """The keeper's side: runs the writers ranks hand over (see the module doc)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._lock = threading.Lock()
+        self._rank_locks: dict[tuple, threading.Lock] = {}
+        self._files: dict[tuple, set[str]] = {}
+        self._done: dict[tuple, dict[str, Any]] = {}
+
+    def handle(self, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
+        """One ``write_files`` request of the rank ``key``: ``({"ok"}, pickled result)`` or
+        ``({"error"}, b"")`` when the writer could not be run (the rank then writes)."""
+        with self._lock:
+            rank_lock = self._rank_locks.setdefault(key, threading.Lock())
+        with rank_lock:  # a restarted rank's write waits for its predecessor's
+            self._own(key, set(req.get("files", ())))
+            name = req.get("writer")
+            if name not in WRITERS:
+                return {"error": f"the keeper runs no writer {name!r}"}, b""
+            began = time.perf_counter()
+            try:
+                args = loads(payload, self.folder)
+                module, function = name.split(":")
+                writer = getattr(importlib.import_module(module), function)
+            except Exception as exc:  # noqa: BLE001 - said to the rank, which writes itself
+                logger.warning("keeper: a write request of rank %s failed: %s", _who(key), exc)
+                return {"error": f"{type(exc).__name__}: {exc}"}, b""
+            result = writer(*args)
+            self._done[key] = {
+                "writes": self._done.get(key, {}).get("writes", 0) + 1,
+                "last_s": time.perf_counter() - began,
+            }
+            return {"ok": True}, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _own(self, key: tuple, files: set[str]) -> None:
+        """Remember ``files`` as the rank's; remove those of its earlier set it no longer
+        names (never one outside the folder)."""
+        before = self._files.get(key, set())
+        remove_files(before - files, self.folder)
+        self._files[key] = files
+
+    def stats(self) -> list[dict[str, Any]]:
+        rows = []
+        for key, done in sorted(self._done.items()):
+            files = self._files.get(key, set())
+            nbytes = sum(os.stat(f).st_size for f in files if os.path.exists(f))
+            rows.append({**dict(key), **done, "files_mib": nbytes / 2**20})
+        return rows

@@ -1,0 +1,200 @@
+"""LowDiff+'s base files written by the node's keeper: a request carries the rank's shared-memory
+tensors by reference and nothing a keeper should not run; a real keeper process writes files
+byte for byte as the rank's own writer does (megatron's per-file writer), with the same write
+results; a rank whose keeper is gone writes them itself; a keeper forgets (removes) the files of
+a rank's earlier set."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import signal
+
+import pytest
+import torch
+from test_keeper import ME, start_keeper
+
+from megatron_diffckpt.keeper import KeeperClient, query, stop
+from megatron_diffckpt.keeper_writes import HandedWrites, dumps, loads
+from megatron_diffckpt.patches import base_checkpoint
+from megatron_diffckpt.shared_replica import SharedArena
+
+
+def _plan_item(fqn: str, tensor: torch.Tensor):
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0] * tensor.dim()), sizes=tensor.shape)
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size([0] * tensor.dim())),
+        type=WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=chunk, properties=TensorProperties(dtype=tensor.dtype), size=tensor.shape
+        ),
+    )
+
+
+def _bytes_item(fqn: str):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+
+
+def _write_buckets(folder: str, tensors: dict[str, torch.Tensor]) -> list:
+    """Two files as megatron's planner lays them out: (path, key, (bytes, tensors))."""
+    names = sorted(tensors)
+    buckets = []
+    for index, part in enumerate((names[::2], names[1::2])):
+        key = f"__0_{index}.distcp"
+        data = [(_bytes_item(f"common{index}"), io.BytesIO(b"common state %d" % index))]
+        items = [(_plan_item(n, tensors[n]), tensors[n]) for n in part]
+        buckets.append((os.path.join(folder, key), key, (data, items)))
+    return buckets
+
+
+def _transforms() -> list:
+    from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+
+    return [_StorageWriterTransforms()]
+
+
+def _tensors(arena: SharedArena) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    shared = {f"shared.{i}": arena.copy(torch.randn(64, 33)) for i in range(3)}
+    steps = {"shared.step": arena.copy(torch.tensor(7.0))}
+    return {**shared, **steps, "heap.0": torch.randn(5, 2), "heap.int": torch.arange(9)}
+
+
+def test_a_request_carries_shared_tensors_by_reference_and_heap_tensors_by_value(tmp_path):
+    arena = SharedArena(str(tmp_path))
+    base = arena.copy(torch.arange(4096, dtype=torch.float32))
+    view = base[4:4036].view(63, 64)[:, 1::2]  # an offset, a stride
+    heap = torch.randn(3, 3)
+    payload, referenced, copied = dumps(([view, heap], io.BytesIO(b"x")), arena)
+    assert referenced == view.numel() * 4 and copied == heap.numel() * 4
+    assert len(payload) < 1024 < view.numel() * 4  # the shared tensor's bytes did not travel
+    (got_view, got_heap), got_bytes = loads(payload, str(tmp_path))
+    assert torch.equal(got_view, view) and torch.equal(got_heap, heap)
+    assert got_bytes.getvalue() == b"x"
+    base[5] = -1.0  # the keeper's mapping is the same memory
+    assert got_view[0, 0].item() == -1.0
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize(
+    "payload, why",
+    [
+        (pickle.dumps(_Evil()), "may not name posix.system"),
+        (pickle.dumps(torch.load), "may not name torch.serialization.load"),
+        (b"ctorch\nload\n.", "may not name torch.load"),  # torch.load by torch's name
+        (pickle.dumps(pickle.loads), "may not name _pickle.loads"),
+        (b"ctorch.distributed.checkpoint\nload\n.", "may not name torch.distributed"),
+    ],
+    ids=["os.system", "torch.load", "torch:load", "pickle.loads", "dcp.load"],
+)
+def test_a_request_naming_anything_but_a_write_plan_is_refused(tmp_path, payload, why):
+    with pytest.raises(pickle.UnpicklingError, match=why):
+        loads(payload, str(tmp_path))
+
+
+def test_a_request_mapping_a_file_outside_the_keepers_folder_is_refused(tmp_path):
+    outside = SharedArena(str(tmp_path))
+    payload, _, _ = dumps((outside.copy(torch.ones(4)),), outside)
+    (tmp_path / "keeper").mkdir()
+    with pytest.raises(pickle.UnpicklingError, match="is not in the keeper's folder"):
+        loads(payload, str(tmp_path / "keeper"))
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_the_keeper_writes_a_bases_files_as_the_ranks_own_writer_does(tmp_path):
+    """Same bytes in every file, same write results; the shared tensors were not sent; the
+    keeper removes a rank's earlier set of files that a later request no longer names."""
+    sock = str(tmp_path / "keeper.sock")
+    proc = start_keeper(sock)
+    try:
+        client = KeeperClient(sock, ME)
+        arena = SharedArena(client.shm_folder())
+        tensors = _tensors(arena)
+        here, there = tmp_path / "here", tmp_path / "there"
+        here.mkdir(), there.mkdir()
+        expected = base_checkpoint.write_files(
+            _transforms(), False, _write_buckets(str(here), tensors)
+        )[0]
+        handed = HandedWrites(client.sibling(timeout=None), arena)
+        outcome, cpu = handed(
+            base_checkpoint.write_files, _transforms(), False, _write_buckets(str(there), tensors)
+        )
+        assert handed.last_in_keeper and handed.in_keeper == 1 and handed.here == 0
+        assert handed.last["referenced_bytes"] == sum(
+            t.numel() * t.element_size() for n, t in tensors.items() if n.startswith("shared")
+        )
+        assert handed.last["copied_bytes"] == 5 * 2 * 4 + 9 * 8  # the two heap tensors
+        assert outcome == expected and cpu > 0
+        assert _files(there) == _files(here) and len(_files(here)) == 2
+        _assert_readable(there, outcome, tensors)
+        (row,) = query(sock)["writes"]
+        assert row["writes"] == 1 and row["dp_rank"] == ME.dp_rank
+        # a later set (a restarted rank's) frees the earlier one
+        first = set(arena.files())
+        later = SharedArena(arena.folder)
+        again = HandedWrites(client.sibling(timeout=None), later)
+        again(base_checkpoint.write_files, _transforms(), False, [])
+        assert not any(os.path.exists(f) for f in first)
+        again.close()
+        assert os.listdir(arena.folder) == []
+        handed.client.close()
+        client.close()
+    finally:
+        stop(sock)
+        proc.wait(30)
+
+
+def test_a_rank_whose_keeper_is_gone_writes_its_base_files_itself(tmp_path, caplog):
+    sock = str(tmp_path / "keeper.sock")
+    proc = start_keeper(sock)
+    client = KeeperClient(sock, ME)
+    arena = SharedArena(client.shm_folder())
+    tensors = _tensors(arena)
+    handed = HandedWrites(client.sibling(timeout=None), arena)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    (tmp_path / "here").mkdir()
+    outcome, _ = handed(
+        base_checkpoint.write_files,
+        _transforms(),
+        False,
+        _write_buckets(str(tmp_path / "here"), tensors),
+    )
+    assert set(outcome) == {0, 1} and len(_files(tmp_path / "here")) == 2
+    assert not handed.last_in_keeper and handed.here == 1
+    assert "this rank writes its base's files itself (" in caplog.text
+    _assert_readable(tmp_path / "here", outcome, tensors)
+
+
+def _assert_readable(folder, outcome: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor reads back from where its write result says it is."""
+    found = 0
+    for results in outcome.values():
+        for result in results:
+            info = result.storage_data
+            raw = (folder / info.relative_path).read_bytes()[
+                info.offset : info.offset + info.length
+            ]
+            if result.index.fqn in tensors:
+                got = torch.load(io.BytesIO(raw), weights_only=True)
+                assert torch.equal(got, tensors[result.index.fqn]), result.index.fqn
+                found += 1
+    assert found == len(tensors)
