@@ -21,6 +21,9 @@ One invocation; the configurations run interleaved round by round (the order rot
   diff log from its merges (per-iteration recoverability from storage too, as ``plus_log``);
 - ``plus_keeper_bases``: the same without the diff log (``--diffckpt-plus-no-diff-log``: the
   keepers' memory and the bases only);
+- ``plus_keeper_f1``: ``plus_keeper_bases`` with a base every iteration, its files written by
+  the keepers (the default); ``plus_keeper_f1_ranks``: the same written by the ranks
+  (``--diffckpt-plus-ranks-write-bases``): what moving the writing out of the ranks saves;
 - ``lowdiff``: LowDiff (top-k exchange) with storage only, as without a keeper;
 - ``lowdiff_keeper``: LowDiff under the node launcher: every differential and every base also
   in the node's keeper;
@@ -43,7 +46,8 @@ made it durable, else one iteration less (the iteration the keepers save). The r
 the example's own ``recovered to iteration T in X s``: from before loading to ready to train.
 
 Per-iteration time: the median over the first attempt's iterations after ``WARMUP``, without
-those that write a base; per configuration, the median over rounds. Results go to
+those that write a base (with a base every iteration: all of them, and their mean too); per
+configuration, the median over rounds. Results go to
 ``benchmarks/results/keeper_recovery.json``.
 """
 
@@ -82,8 +86,9 @@ RECOVERED = re.compile(r"recovered to iteration (\d+) in ([\d.]+) s")
 
 def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
     """name -> (pretrain_gpt flags, under the node launcher with a keeper)."""
-    plus = ["--diffckpt-mode", "lowdiff-plus", "--save", ckpt, "--load", ckpt]
-    plus += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
+    saved = ["--diffckpt-mode", "lowdiff-plus", "--save", ckpt, "--load", ckpt]
+    plus = [*saved, "--diffckpt-full-interval", str(BASE_INTERVAL)]
+    plus_f1 = [*saved, "--diffckpt-full-interval", "1", "--diffckpt-plus-no-diff-log"]
     lowdiff = [*TOPK, "--diffckpt-mode", "lowdiff", "--save", ckpt, "--load", ckpt]
     lowdiff += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
     return {
@@ -95,11 +100,19 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
             [*plus, "--diffckpt-plus-keeper-replica", "--diffckpt-plus-no-diff-log"],
             True,
         ),
+        # a base every iteration (no diff log): its files written by the keepers, or by the ranks
+        "plus_keeper_f1": ([*plus_f1, "--diffckpt-plus-keeper-replica"], True),
+        "plus_keeper_f1_ranks": (
+            [*plus_f1, "--diffckpt-plus-keeper-replica", "--diffckpt-plus-ranks-write-bases"],
+            True,
+        ),
         "lowdiff": (lowdiff, False),
         "lowdiff_keeper": (lowdiff, True),
         "lowdiff_keeper_replica": ([*lowdiff, "--diffckpt-keeper-replica"], True),
     }
 
+
+EVERY_ITERATION = ("plus_keeper_f1", "plus_keeper_f1_ranks")  # every iteration writes a base
 
 KILLED = {  # configuration -> the fail point that kills rank 1
     "plus_log": f"plus-hand-over:{KILL_AT}@1",
@@ -152,10 +165,15 @@ def measure(work: Path, size: str, repeats: int, only: list[str] | None = None) 
             env=env,
         )
         times = iteration_times(_first_attempt(text))
+        every = name in EVERY_ITERATION
         window = [
-            t for i, t in times.items() if WARMUP < i < KILL_AT - 1 and i % BASE_INTERVAL != 0
+            t
+            for i, t in times.items()
+            if WARMUP < i < (TOTAL if every else KILL_AT - 1) and (every or i % BASE_INTERVAL)
         ]
         row = {"iteration_s": statistics.median(window), "iterations": len(window), "wall_s": wall}
+        if every:
+            row["iteration_mean_s"] = statistics.mean(window)
         if name in KILLED:
             row["recovery"] = _recovery(text[text.find("failpoint ") :])
         runs[name].append(row)
@@ -195,6 +213,9 @@ def measure(work: Path, size: str, repeats: int, only: list[str] | None = None) 
                 for r in runs[n]
             ),
             "lowdiff_storage_recovered": [r["recovery"]["iteration"] for r in runs["lowdiff"]],
+            # a base every iteration: the keepers writing its files against the ranks
+            "keeper_writes_f1_over_none": med["plus_keeper_f1"] / med["none"] - 1.0,
+            "ranks_write_f1_over_none": med["plus_keeper_f1_ranks"] / med["none"] - 1.0,
         },
     }
 

@@ -197,11 +197,11 @@ def _refused(base: KeptBase, folder: str, others: set[str]) -> str:
         return f"a base's files must be in the keeper's folder, not {outside[0]}"
     if others & base.files:
         return "a base's files are those of a base the keeper holds already"
-    missing = _missing(base)
+    missing = missing_file(base)
     return f"a base's file is missing or short: {missing}" if missing else ""
 
 
-def _missing(base: KeptBase) -> str:
+def missing_file(base: KeptBase) -> str:
     """A file of ``base`` that is absent or shorter than its tensor (``""``: none)."""
     for spec in specs_of(base.optimizers, base.slots):
         if "file" not in spec:
@@ -366,7 +366,7 @@ def offered_bases(client: Any) -> OfferedBases:
     records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
     offered = {}
     for row in reply[0]["bases"]:
-        lost = _missing(KeptBase(row["iteration"], row["optimizers"], row["residuals"], b""))
+        lost = missing_file(KeptBase(row["iteration"], row["optimizers"], row["residuals"], b""))
         if lost:  # never mapped: mapping a missing file would create it, zeroed
             logger.warning("keeper: the base of iteration %d lost a file (%s)", row["iteration"],
                            lost)  # fmt: skip

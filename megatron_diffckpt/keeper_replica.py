@@ -63,6 +63,7 @@ import torch
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptError
+from megatron_diffckpt.keeper_base import missing_file
 from megatron_diffckpt.recovery import truncate_log
 from megatron_diffckpt.replica_merger import (
     ParamSlice,
@@ -458,9 +459,7 @@ class HostedReplicas:
                 self._drop(self._replicas, key)
 
     def _roll_from(self, key: tuple, base: Any) -> None:
-        from megatron_diffckpt.keeper_base import _missing
-
-        lost = _missing(base)  # dropped meanwhile (a restart): mapping it would make it, zeroed
+        lost = missing_file(base)  # dropped meanwhile (a restart): mapping it would make it, zeroed
         if lost:
             raise ValueError(f"the base of iteration {base.iteration} lost a file ({lost})")
         arena = SharedArena(self.folder)

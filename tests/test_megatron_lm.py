@@ -351,10 +351,10 @@ def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exac
 ):
     """Megatron-LM's loop under the node launcher with a keeper and torchrun's restarts, the
     replica in the keeper: rank 1 dies before handing iteration 9 over; the restarted ranks
-    (Megatron-LM loads base 5) take the keepers' replicas at 8, and the final checkpoint and
-    the losses equal the uninterrupted run's. The diff log the keepers wrote (6 and 7 before
-    the kill, 8 as the recovery settled, on after it) merges offline into a base equal to the
-    uninterrupted run's save at 8."""
+    (Megatron-LM loads base 5) take the keepers' replicas at 8, and the final checkpoint (its
+    files written by the keepers) and the losses equal the uninterrupted run's. The diff log
+    the keepers wrote (6 and 7 before the kill, 8 as the recovery settled, on after it) merges
+    offline into a base equal to the uninterrupted run's save at 8."""
     layout = "dp2-async-save"
     gpt = [*GPT, *LAYOUTS[layout][0].split()]
     straight, expected_losses = straight_runs(layout)
@@ -365,6 +365,9 @@ def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exac
     kept = "recovery: iteration 8 from the replica in the node's keeper"
     assert kept in restarted, restarted[-4000:]
     assert re.search(r"recovered to iteration 8 \(base 5\)", restarted)
+    # the keepers wrote the final base's files (compared below)
+    assert f"base of iteration {TOTAL} published (written by the node's keeper" in restarted
+    assert "writes its base's files itself" not in restarted
     _assert_same_losses(_resumed_losses(restarted, 8), expected_losses)
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
