@@ -187,6 +187,12 @@ def _print_keeper(k: dict) -> None:
             f"  rank_{b['tp_rank']}_{b['pp_rank']}_{b['dp_rank']}: LowDiff base of iteration "
             f"{b['iteration']}, {b['bytes'] / 2**20:.1f} MiB (run {b['run_id'][:8]})"
         )
+    for w in k.get("writes", []):  # LowDiff+ bases whose files the keeper wrote for the rank
+        print(
+            f"  rank_{w['tp_rank']}_{w['pp_rank']}_{w['dp_rank']}: {w['writes']} base(s) written "
+            f"here, the last in {w['last_s']:.3f} s, from {w['files_mib']:.1f} MiB of the "
+            f"rank's files (run {w['run_id'][:8]})"
+        )
 
 
 def _print_inspect(info: dict) -> None:

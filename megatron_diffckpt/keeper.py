@@ -258,10 +258,12 @@ class _Handler(socketserver.BaseRequestHandler):
                     niced = lower_priority()
                 reply = server.replicas.handle(op, _key(req["identity"]), req, payload)
                 _send(self.request, *reply)
-            elif op == "write_files" and not from_peer:
-                if not niced:  # a base's writing comes after training, as the rank's persister
-                    niced = lower_priority()
-                _send(self.request, *server.writes.handle(_key(req["identity"]), req, payload))
+            elif op == "write_files" and not from_peer:  # in a writer process, niced
+                reply = server.writes.handle(_key(req["identity"]), req, payload)
+                try:
+                    _send(self.request, *reply)
+                except OSError:
+                    return  # the rank died while its files were written: no finalize follows
             elif op.startswith("base_") and not from_peer:
                 key = _key(req["identity"])
                 reply = server.bases.handle(op, key, req, payload)
@@ -427,6 +429,7 @@ def serve(
             server.close_connections()
             server.server_close()
         local.replicas.close()
+        local.writes.close()
         if link is not None:
             link.close()
         if os.path.exists(path):

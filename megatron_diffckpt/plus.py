@@ -169,7 +169,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._handed: HandedWrites | None = None  # the keeper writing the base files
         if self.in_keeper and keeper_writes_bases:
             arena = SharedArena(keeper.shm_folder())
-            self._handed = HandedWrites(keeper.sibling(timeout=None), arena)
+            self._handed = HandedWrites(
+                keeper.sibling(timeout=None), arena, warm=base_checkpoint.write_files
+            )
         self.model_params = ReplicaModelParams(
             optimizer,
             layout,

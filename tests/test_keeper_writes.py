@@ -1,8 +1,8 @@
 """LowDiff+'s base files written by the node's keeper: a request carries the rank's shared-memory
 tensors by reference and nothing a keeper should not run; a real keeper process writes files
 byte for byte as the rank's own writer does (megatron's per-file writer), with the same write
-results; a rank whose keeper is gone writes them itself; a keeper forgets (removes) the files of
-a rank's earlier set."""
+results, in a writer process that ends with the rank's connection; a rank whose keeper is gone
+writes them itself; a keeper forgets (removes) the files of a rank's earlier set."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import io
 import os
 import pickle
 import signal
+import time
 
+import psutil
 import pytest
 import torch
+from launch import run_cli
 from test_keeper import ME, start_keeper
 
 from megatron_diffckpt.keeper import KeeperClient, query, stop
@@ -115,6 +118,19 @@ def test_a_request_mapping_a_file_outside_the_keepers_folder_is_refused(tmp_path
         loads(payload, str(tmp_path / "keeper"))
 
 
+def _writer_processes(keeper: int) -> list[psutil.Process]:
+    """The keeper's live writer processes (spawned; its multiprocessing resource tracker aside,
+    and a dead one the keeper has not reaped yet)."""
+    alive = []
+    for child in psutil.Process(keeper).children():
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                alive.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return alive
+
+
 def _files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir()}
 
@@ -147,15 +163,25 @@ def test_the_keeper_writes_a_bases_files_as_the_ranks_own_writer_does(tmp_path):
         _assert_readable(there, outcome, tensors)
         (row,) = query(sock)["writes"]
         assert row["writes"] == 1 and row["dp_rank"] == ME.dp_rank
-        # a later set (a restarted rank's) frees the earlier one
+        shown = run_cli("inspect", str(tmp_path), "--keeper", sock).stdout
+        assert "rank_0_0_1: 1 base(s) written here, the last in " in shown, shown
+        # the rank's writer process ends with its connection (the rank's end) ...
+        assert len(_writer_processes(proc.pid)) == 1
+        handed.client.close()
+        deadline = time.monotonic() + 30
+        while _writer_processes(proc.pid):
+            assert time.monotonic() < deadline, "the writer process outlived its connection"
+            time.sleep(0.05)
+        # ... and a restarted rank's (another set of files: the earlier one is freed) gets a
+        # new one, started at once and ready when its first base comes
         first = set(arena.files())
         later = SharedArena(arena.folder)
-        again = HandedWrites(client.sibling(timeout=None), later)
+        again = HandedWrites(client.sibling(timeout=None), later, warm=base_checkpoint.write_files)
+        assert len(_writer_processes(proc.pid)) == 1
         again(base_checkpoint.write_files, _transforms(), False, [])
-        assert not any(os.path.exists(f) for f in first)
+        assert again.last_in_keeper and not any(os.path.exists(f) for f in first)
         again.close()
         assert os.listdir(arena.folder) == []
-        handed.client.close()
         client.close()
     finally:
         stop(sock)
