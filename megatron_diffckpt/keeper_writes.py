@@ -1,21 +1,22 @@
 """LowDiff+'s base files written by the node's keeper: no base writing in the ranks.
 
-With LowDiff+'s replica in the keeper (``--diffckpt-plus-keeper-replica``), a base is the
-replica at one iteration, which the rank copies into files of the keeper's shared-memory folder
-(the persist copy of the optimizer shard, and the model parameters gathered from it). Megatron
-plans the base in the rank as for any asynchronous save: its planner and its write buckets (which
-tensor goes into which file, under which key). What takes the cores is the writing: serialising
-every tensor, writing and syncing the files. That part runs in the keeper:
+With LowDiff+'s replica in the keeper (``--diffckpt-plus-keeper-replica``), a base is still
+planned by the ranks as for any asynchronous save (megatron's planner and its write buckets:
+which tensor goes into which file, under which key; the optimizer state in per-bucket tensors
+megatron builds for it) and published by them (the collective finalize, metadata last). What
+takes the cores in between is the writing: serialising every tensor, writing and syncing the
+files. That part runs in the keeper:
 
-1. The rank (:class:`HandedWrites`, on its persister thread, over a connection of its own) sends
-   the writer's name and its arguments, pickled with every tensor by reference when it lies in a
-   file of the keeper's folder (file, dtype, shape, strides, offset: none of its bytes travel)
-   and by value (its raw bytes) otherwise.
+1. The rank (:class:`HandedWrites`, on its persister thread, over a connection of its own)
+   stages every tensor of the write plan in a :class:`StagingArea` (buffers in the keeper's
+   shared-memory folder, one per storage, reused base after base: one host memcpy) and sends
+   the writer's name and its arguments, pickled with every staged tensor by reference (file,
+   dtype, shape, strides, offset; none of its bytes travel) and the small ones by value.
 2. The keeper (:class:`KeeperWrites`) has a writer process of the rank's (started when the
    rank connects, at lower CPU priority, megatron imported once) map the files and call the
    writer, and replies with its result: megatron's write results, or the error a file hit.
    The rank hands it to megatron's finalize step as if it had written the files: same files,
-   same bytes, a stock checkpoint published by the ranks' collective finalize (metadata last).
+   same bytes (a tensor's whole storage is staged, its offset and strides kept).
 
 Trust: a request names its writer, one of :data:`WRITERS`; its arguments are read by an
 unpickler that resolves no function, only the plain classes a write plan is made of (torch
@@ -26,9 +27,9 @@ is read by the rank with plain ``pickle``: it comes from its own node's keeper.
 
 Failures: a keeper lost mid-write (the connection ends) leaves the rank to write every file
 itself; a rank killed mid-write leaves the keeper to finish files that no finalize publishes
-(metadata is written last, by the ranks, as for any base). The rank's files are its own; the
-keeper remembers the newest set each rank named and removes a set no later request names (a
-restarted rank's predecessor's), and the whole folder when it stops.
+(metadata is written last, by the ranks, as for any base). The staging files are the rank's;
+the keeper remembers the newest set each rank named and removes a set no later request names
+(a restarted rank's predecessor's), and the whole folder when it stops.
 
 Which threads: :class:`HandedWrites` is called by one rank thread at a time (the persister);
 :class:`KeeperWrites` by the keeper's connection threads, one write per rank at a time, each
@@ -77,28 +78,76 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-class _Pickler(pickle.Pickler):
-    """Tensors as references to the arena's files, else as raw bytes (never torch's pickling)."""
+STAGE_MIN_BYTES = 64 * 1024
+"""Tensors smaller than this travel by value (a file each would cost more than the bytes)."""
 
-    def __init__(self, file: io.BytesIO, arena: SharedArena | None):
+
+class StagingArea:
+    """Buffers in the keeper's shared-memory folder that a rank stages its base's tensors in.
+
+    A tensor is staged with its whole storage (its offset and strides kept, so the keeper's
+    ``torch.save`` writes the same bytes), or as a contiguous copy when its storage is over
+    twice its size (a narrow view). Buffers are kept by size and reused by the next base, whose
+    plan is the same: :meth:`begin` starts a new round. The rank's persister thread."""
+
+    def __init__(self, folder: str):
+        self.arena = SharedArena(folder)
+        self._buffers: dict[int, list[torch.Tensor]] = {}
+        self._used: dict[int, int] = {}
+
+    def begin(self) -> None:
+        self._used = {}
+
+    def stage(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """``(file, staged)``: ``tensor``'s copy over a buffer of this area."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if tensor.untyped_storage().nbytes() > 2 * nbytes:
+            tensor = tensor.contiguous().clone()
+        storage = tensor.untyped_storage()
+        size = storage.nbytes()
+        buffers = self._buffers.setdefault(size, [])
+        index = self._used.get(size, 0)
+        self._used[size] = index + 1
+        if index == len(buffers):
+            buffers.append(self.arena.empty((size,), torch.uint8))
+        buffer = buffers[index]
+        buffer.untyped_storage().copy_(storage)
+        staged = buffer.view(tensor.dtype).as_strided(
+            tensor.shape, tensor.stride(), tensor.storage_offset()
+        )
+        return self.arena.spec(buffer)["file"], staged
+
+    def files(self) -> list[str]:
+        return self.arena.files()
+
+    @property
+    def folder(self) -> str:
+        return self.arena.folder
+
+
+class _Pickler(pickle.Pickler):
+    """Tensors staged and passed as references to their files, small ones as raw bytes (never
+    torch's pickling)."""
+
+    def __init__(self, file: io.BytesIO, staging: StagingArea | None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.arena = arena
+        self.staging = staging
         self.by_reference = 0
         self.by_value = 0
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
             return None
-        tensor = obj.detach()
+        tensor = obj.detach().cpu()
         dtype = str(tensor.dtype).removeprefix("torch.")
-        file = self.arena.file_of(tensor) if self.arena is not None else None
         nbytes = tensor.numel() * tensor.element_size()
-        if file is not None:
+        if self.staging is not None and nbytes >= STAGE_MIN_BYTES:
+            file, staged = self.staging.stage(tensor)
             self.by_reference += nbytes
-            offset = tensor.storage_offset()
-            return ("file", file, dtype, list(tensor.shape), list(tensor.stride()), offset)
+            shape, stride = list(staged.shape), list(staged.stride())
+            return ("file", file, dtype, shape, stride, staged.storage_offset())
         self.by_value += nbytes
-        return ("bytes", dtype, list(tensor.shape), tensor_bytes(tensor.cpu()))
+        return ("bytes", dtype, list(tensor.shape), tensor_bytes(tensor))
 
 
 class _Unpickler(pickle.Unpickler):
@@ -181,10 +230,13 @@ class Mappings:
         self._used = set()
 
 
-def dumps(args: tuple, arena: SharedArena | None) -> tuple[bytes, int, int]:
-    """``args`` pickled for a keeper; with the bytes referenced and the bytes copied."""
+def dumps(args: tuple, staging: StagingArea | None) -> tuple[bytes, int, int]:
+    """``args`` pickled for a keeper, their tensors staged in ``staging`` (a new round); with
+    the bytes staged and the bytes sent by value."""
     buf = io.BytesIO()
-    pickler = _Pickler(buf, arena)
+    if staging is not None:
+        staging.begin()
+    pickler = _Pickler(buf, staging)
     pickler.dump(args)
     return buf.getvalue(), pickler.by_reference, pickler.by_value
 
@@ -204,14 +256,13 @@ class HandedWrites:
     returns its result; where the keeper cannot (lost, or it failed before writing), here.
 
     ``client``: a :class:`~megatron_diffckpt.keeper.KeeperClient` of its own, without a timeout
-    (a write takes what it takes; the handover thread keeps its own connection); ``arena``: the
-    rank's tensors in the keeper's folder (passed by reference); ``warm``: a writer the keeper
-    gets ready now.
+    (a write takes what it takes; the handover thread keeps its own connection); ``staging``:
+    where the tensors go for the keeper to read; ``warm``: a writer the keeper gets ready now.
     """
 
-    def __init__(self, client: Any, arena: SharedArena, warm: Callable[..., Any] | None = None):
+    def __init__(self, client: Any, staging: StagingArea, warm: Callable[..., Any] | None = None):
         self.client = client
-        self.arena = arena
+        self.staging = staging
         if warm is not None:  # the keeper starts this rank's writer process and imports it now
             self.client.call({"op": "write_files", "writer": writer_name(warm), "warm": True})
         self.in_keeper = 0
@@ -219,7 +270,7 @@ class HandedWrites:
         self.here = 0
         """Writes this rank ran itself (its keeper lost or failing)."""
         self.last: dict[str, float] = {}
-        """The last write in the keeper: seconds, bytes referenced and copied."""
+        """The last write in the keeper: seconds, bytes staged and sent by value."""
         self.last_in_keeper = False
         """Whether the last call ran in the keeper."""
 
@@ -228,8 +279,8 @@ class HandedWrites:
         if name not in WRITERS:
             raise ValueError(f"{name} is not a writer the keeper runs ({', '.join(WRITERS)})")
         began = time.perf_counter()
-        payload, referenced, copied = dumps(args, self.arena)
-        request = {"op": "write_files", "writer": name, "files": self.arena.files()}
+        payload, referenced, copied = dumps(args, self.staging)
+        request = {"op": "write_files", "writer": name, "files": self.staging.files()}
         reply = self.client.call(request, payload)
         if reply is None or "error" in reply[0]:
             why = "the keeper is lost" if reply is None else reply[0]["error"]
@@ -242,15 +293,15 @@ class HandedWrites:
         self.last_in_keeper = True
         self.last = {
             "seconds": time.perf_counter() - began,
-            "referenced_bytes": referenced,
-            "copied_bytes": copied,
+            "staged_bytes": referenced,
+            "sent_bytes": copied,
         }
         return pickle.loads(reply[1])
 
     def close(self) -> None:
-        """Remove the rank's files (mappings stay valid) and end the connection."""
-        remove_files(self.arena.files(), self.arena.folder)
-        self.arena.specs.clear()
+        """Remove the staging files (mappings stay valid) and end the connection."""
+        remove_files(self.staging.files(), self.staging.folder)
+        self.staging.arena.specs.clear()
         self.client.close()
 
 

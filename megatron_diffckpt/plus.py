@@ -40,7 +40,7 @@ from megatron_diffckpt import failpoints, full_storage, recovery
 from megatron_diffckpt.background import CpuMeter, lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
 from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
-from megatron_diffckpt.keeper_writes import HandedWrites
+from megatron_diffckpt.keeper_writes import HandedWrites, StagingArea
 from megatron_diffckpt.patches import (
     base_checkpoint,
     bucket_snapshot,
@@ -55,7 +55,6 @@ from megatron_diffckpt.replica_merger import (
     host_group_like,
     refresh_replicas,
 )
-from megatron_diffckpt.shared_replica import SharedArena
 from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
 from megatron_diffckpt.storage.writer import DiffLogWriter
 from megatron_diffckpt.strategy import BaseSource, IterationCost, PerIterationStrategy, SaveBase
@@ -96,8 +95,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             (:mod:`~megatron_diffckpt.keeper_replica`; one more snapshot slot, in shared memory).
         keeper_log: with ``keeper``, the settings of the diff log the keeper writes from its
             merges (:class:`~megatron_diffckpt.keeper_replica.ReplicaLog`); ``None``: none.
-        keeper_writes_bases: with ``keeper``, the keeper writes each base's files (the persist
-            copy and the model parameters in its shared-memory folder); else this rank does.
+        keeper_writes_bases: with ``keeper``, the keeper writes each base's files (the tensors
+            megatron's planner hands its writer, staged in the keeper's shared-memory folder);
+            else this rank does.
     """
 
     name = "lowdiff-plus"
@@ -168,16 +168,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._host_group = host_group_like(dp_group.data_parallel_group)
         self._handed: HandedWrites | None = None  # the keeper writing the base files
         if self.in_keeper and keeper_writes_bases:
-            arena = SharedArena(keeper.shm_folder())
+            staging = StagingArea(keeper.shm_folder())
             self._handed = HandedWrites(
-                keeper.sibling(timeout=None), arena, warm=base_checkpoint.write_files
+                keeper.sibling(timeout=None), staging, warm=base_checkpoint.write_files
             )
-        self.model_params = ReplicaModelParams(
-            optimizer,
-            layout,
-            self._host_group,
-            empty=self._handed.arena.empty if self._handed is not None else None,
-        )
+        self.model_params = ReplicaModelParams(optimizer, layout, self._host_group)
         self._persist_copies: list[torch.optim.Optimizer | None] | None = None
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="diffckpt-persister")
         self._inputs = StepInputs()
@@ -342,12 +337,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         }
 
     def _snapshot_replica(self) -> list[torch.optim.Optimizer | None]:
-        """Copy the (idle) replica into the persist buffers, created on first use (in the
-        keeper's folder when the keeper writes the base)."""
-        alloc = {"alloc": self._handed.arena.copy} if self._handed is not None else {}
-        self._persist_copies = refresh_replicas(
-            self.merger.optimizers, self._persist_copies, **alloc
-        )
+        """Copy the (idle) replica into the persist buffers, created on first use."""
+        self._persist_copies = refresh_replicas(self.merger.optimizers, self._persist_copies)
         return self._persist_copies
 
     def _poll_persist(self, block: bool) -> None:

@@ -17,7 +17,6 @@ import copy
 import itertools
 import math
 import os
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -62,9 +61,6 @@ class SharedArena:
     def __init__(self, folder: str):
         self.folder = folder
         self.specs: dict[int, dict[str, Any]] = {}  # id(tensor) -> its spec
-        # storage address -> (file, the tensor made over it: weakly, so that a freed mapping's
-        # address, reused by another allocation, is never taken for the file)
-        self._storages: dict[int, tuple[str, weakref.ref]] = {}
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         spec = {
@@ -74,11 +70,6 @@ class SharedArena:
         }
         tensor = map_tensor(spec)
         self.specs[id(tensor)] = spec
-        if tensor.numel():
-            self._storages[tensor.untyped_storage().data_ptr()] = (
-                spec["file"],
-                weakref.ref(tensor),
-            )
         return tensor
 
     def copy(self, source: torch.Tensor, _name: str = "") -> torch.Tensor:
@@ -89,15 +80,6 @@ class SharedArena:
 
     def spec(self, tensor: torch.Tensor) -> dict[str, Any]:
         return self.specs[id(tensor)]
-
-    def file_of(self, tensor: torch.Tensor) -> str | None:
-        """The file under ``tensor`` (any view of a tensor this arena made), or ``None``."""
-        if not tensor.numel():
-            return None
-        address = tensor.untyped_storage().data_ptr()
-        file, made = self._storages.get(address, (None, lambda: None))
-        alive = made()
-        return file if alive is not None and alive.untyped_storage().data_ptr() == address else None
 
     def files(self) -> list[str]:
         """Every file this arena made."""

@@ -19,9 +19,8 @@ from launch import run_cli
 from test_keeper import ME, start_keeper
 
 from megatron_diffckpt.keeper import KeeperClient, query, stop
-from megatron_diffckpt.keeper_writes import HandedWrites, dumps, loads
+from megatron_diffckpt.keeper_writes import HandedWrites, Mappings, StagingArea, dumps, loads
 from megatron_diffckpt.patches import base_checkpoint
-from megatron_diffckpt.shared_replica import SharedArena
 
 
 def _plan_item(fqn: str, tensor: torch.Tensor):
@@ -67,26 +66,53 @@ def _transforms() -> list:
     return [_StorageWriterTransforms()]
 
 
-def _tensors(arena: SharedArena) -> dict[str, torch.Tensor]:
+def _tensors() -> dict[str, torch.Tensor]:
+    """What a plan holds: large tensors (staged; one a view of its whole storage, as megatron
+    leaves them: it clones narrower views), small ones (sent by value)."""
     torch.manual_seed(0)
-    shared = {f"shared.{i}": arena.copy(torch.randn(64, 33)) for i in range(3)}
-    steps = {"shared.step": arena.copy(torch.tensor(7.0))}
-    return {**shared, **steps, "heap.0": torch.randn(5, 2), "heap.int": torch.arange(9)}
+    large = {f"large.{i}": torch.randn(128, 257) for i in range(3)}
+    narrow = {"transposed": torch.randn(512, 100).t()}
+    small = {
+        "small.step": torch.tensor(7.0),
+        "small.0": torch.randn(5, 2),
+        "small.int": torch.arange(9),
+    }
+    return {**large, **narrow, **small}
 
 
-def test_a_request_carries_shared_tensors_by_reference_and_heap_tensors_by_value(tmp_path):
-    arena = SharedArena(str(tmp_path))
-    base = arena.copy(torch.arange(4096, dtype=torch.float32))
-    view = base[4:4036].view(63, 64)[:, 1::2]  # an offset, a stride
-    heap = torch.randn(3, 3)
-    payload, referenced, copied = dumps(([view, heap], io.BytesIO(b"x")), arena)
-    assert referenced == view.numel() * 4 and copied == heap.numel() * 4
-    assert len(payload) < 1024 < view.numel() * 4  # the shared tensor's bytes did not travel
-    (got_view, got_heap), got_bytes = loads(payload, str(tmp_path))
-    assert torch.equal(got_view, view) and torch.equal(got_heap, heap)
+def test_a_request_carries_staged_tensors_by_reference_and_small_ones_by_value(tmp_path):
+    staging = StagingArea(str(tmp_path))
+    (tmp_path / "narrow").mkdir()
+    base = torch.arange(64 * 1024, dtype=torch.float32)
+    view = base[4 : 4 + 255 * 256].view(255, 256)[:, 3:203]  # an offset, strides: not contiguous
+    small = torch.randn(3, 3)
+    payload, staged, sent = dumps(([view, small], io.BytesIO(b"x")), staging)
+    assert staged == view.numel() * 4 and sent == small.numel() * 4
+    assert len(payload) < 1024 < view.numel() * 4  # the staged tensor's bytes did not travel
+    (got_view, got_small), got_bytes = loads(payload, str(tmp_path))
+    assert torch.equal(got_view, view) and torch.equal(got_small, small)
+    # its whole storage, offset and strides kept: torch.save writes the same bytes
+    assert (got_view.stride(), got_view.storage_offset()) == (view.stride(), view.storage_offset())
+    assert _saved(got_view) == _saved(view)
     assert got_bytes.getvalue() == b"x"
-    base[5] = -1.0  # the keeper's mapping is the same memory
-    assert got_view[0, 0].item() == -1.0
+    # a narrow view of a large storage: staged as a contiguous copy, not its whole storage
+    narrow = torch.randn(1024, 1024)[10:90]
+    payload, staged, _ = dumps((narrow,), StagingArea(str(tmp_path / "narrow")))
+    (got_narrow,) = loads(payload, str(tmp_path / "narrow"))
+    assert torch.equal(got_narrow, narrow) and staged == narrow.numel() * 4
+    assert got_narrow.untyped_storage().nbytes() == narrow.numel() * 4
+    # the next round reuses the buffers: same files, nothing new in the folder
+    files = sorted(os.listdir(tmp_path))  # the view's buffer, and the folder above
+    base.add_(1)
+    again, _, _ = dumps(([view, small], io.BytesIO(b"x")), staging)
+    assert sorted(os.listdir(tmp_path)) == files
+    assert torch.equal(loads(again, str(tmp_path))[0][0], view)
+
+
+def _saved(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
 
 
 class _Evil:
@@ -111,8 +137,7 @@ def test_a_request_naming_anything_but_a_write_plan_is_refused(tmp_path, payload
 
 
 def test_a_request_mapping_a_file_outside_the_keepers_folder_is_refused(tmp_path):
-    outside = SharedArena(str(tmp_path))
-    payload, _, _ = dumps((outside.copy(torch.ones(4)),), outside)
+    payload, _, _ = dumps((torch.ones(64 * 1024),), StagingArea(str(tmp_path)))
     (tmp_path / "keeper").mkdir()
     with pytest.raises(pickle.UnpicklingError, match="is not in the keeper's folder"):
         loads(payload, str(tmp_path / "keeper"))
@@ -142,22 +167,20 @@ def test_the_keeper_writes_a_bases_files_as_the_ranks_own_writer_does(tmp_path):
     proc = start_keeper(sock)
     try:
         client = KeeperClient(sock, ME)
-        arena = SharedArena(client.shm_folder())
-        tensors = _tensors(arena)
+        staging = StagingArea(client.shm_folder())
+        tensors = _tensors()
         here, there = tmp_path / "here", tmp_path / "there"
         here.mkdir(), there.mkdir()
         expected = base_checkpoint.write_files(
             _transforms(), False, _write_buckets(str(here), tensors)
         )[0]
-        handed = HandedWrites(client.sibling(timeout=None), arena)
+        handed = HandedWrites(client.sibling(timeout=None), staging)
         outcome, cpu = handed(
             base_checkpoint.write_files, _transforms(), False, _write_buckets(str(there), tensors)
         )
         assert handed.last_in_keeper and handed.in_keeper == 1 and handed.here == 0
-        assert handed.last["referenced_bytes"] == sum(
-            t.numel() * t.element_size() for n, t in tensors.items() if n.startswith("shared")
-        )
-        assert handed.last["copied_bytes"] == 5 * 2 * 4 + 9 * 8  # the two heap tensors
+        assert handed.last["staged_bytes"] == (3 * 128 * 257 + 100 * 512) * 4
+        assert handed.last["sent_bytes"] == 4 + 5 * 2 * 4 + 9 * 8  # the small ones
         assert outcome == expected and cpu > 0
         assert _files(there) == _files(here) and len(_files(here)) == 2
         _assert_readable(there, outcome, tensors)
@@ -174,14 +197,14 @@ def test_the_keeper_writes_a_bases_files_as_the_ranks_own_writer_does(tmp_path):
             time.sleep(0.05)
         # ... and a restarted rank's (another set of files: the earlier one is freed) gets a
         # new one, started at once and ready when its first base comes
-        first = set(arena.files())
-        later = SharedArena(arena.folder)
+        first = set(staging.files())
+        later = StagingArea(staging.folder)
         again = HandedWrites(client.sibling(timeout=None), later, warm=base_checkpoint.write_files)
         assert len(_writer_processes(proc.pid)) == 1
         again(base_checkpoint.write_files, _transforms(), False, [])
         assert again.last_in_keeper and not any(os.path.exists(f) for f in first)
         again.close()
-        assert os.listdir(arena.folder) == []
+        assert os.listdir(staging.folder) == []
         client.close()
     finally:
         stop(sock)
@@ -192,9 +215,8 @@ def test_a_rank_whose_keeper_is_gone_writes_its_base_files_itself(tmp_path, capl
     sock = str(tmp_path / "keeper.sock")
     proc = start_keeper(sock)
     client = KeeperClient(sock, ME)
-    arena = SharedArena(client.shm_folder())
-    tensors = _tensors(arena)
-    handed = HandedWrites(client.sibling(timeout=None), arena)
+    tensors = _tensors()
+    handed = HandedWrites(client.sibling(timeout=None), StagingArea(client.shm_folder()))
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     (tmp_path / "here").mkdir()
@@ -224,3 +246,22 @@ def _assert_readable(folder, outcome: dict, tensors: dict[str, torch.Tensor]) ->
                 assert torch.equal(got, tensors[result.index.fqn]), result.index.fqn
                 found += 1
     assert found == len(tensors)
+
+
+def test_a_writer_process_keeps_its_mappings_until_a_file_is_replaced_or_not_named(tmp_path):
+    staging = StagingArea(str(tmp_path))
+    kept, dropped = torch.ones(64 * 1024), torch.zeros(32 * 1024)
+    mapped = Mappings()
+    both, _, _ = dumps((kept, dropped), staging)
+    first_kept, _ = loads(both, str(tmp_path), mapped)
+    again, _, _ = dumps((kept,), staging)
+    (second_kept,) = loads(again, str(tmp_path), mapped)
+    assert second_kept.untyped_storage().data_ptr() == first_kept.untyped_storage().data_ptr()
+    assert len(mapped._maps) == 1  # the file the second request did not name is let go
+    # the staging file replaced by another (a new inode under the same name): mapped anew
+    (file,) = [f for f in staging.files() if os.path.getsize(f) == kept.numel() * 4]
+    os.remove(file)
+    torch.full((64 * 1024,), 7.0).numpy().tofile(file)
+    (third_kept,) = loads(again, str(tmp_path), mapped)
+    assert torch.equal(third_kept, torch.full((64 * 1024,), 7.0))
+    assert torch.equal(first_kept, torch.ones(64 * 1024))  # the old mapping keeps the old pages

@@ -18,7 +18,6 @@ host replica instead of the training device:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,18 +77,10 @@ class ReplicaModelParams:
 
     Built on the training thread; :meth:`fill` runs on the persister thread, collectively over the
     data-parallel ranks of ``host_group`` (a gloo group of the same ranks as the optimizer's DP
-    group). ``empty(shape, dtype)`` makes the host tensors (default: this process's memory;
-    LowDiff+ with its keeper writing bases: files of the keeper's folder).
+    group).
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        layout: ShardLayout,
-        host_group: Any,
-        empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
-    ):
-        empty = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device="cpu"))
+    def __init__(self, optimizer: Any, layout: ShardLayout, host_group: Any):
         self.host_group = host_group
         self.params: dict[int, torch.Tensor] = {}  # id(model param) -> host tensor
         self._by_ptr: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
@@ -101,7 +92,7 @@ class ReplicaModelParams:
                 for bucket_idx, bucket in enumerate(buffer.buckets):
                     entries = []
                     for param, start, end in param_ranges_in_bucket(buffer, bucket):
-                        host = empty(tuple(param.shape), param.dtype)
+                        host = torch.empty(param.shape, dtype=param.dtype, device="cpu")
                         self.params[id(param)] = host
                         self._by_ptr[(param.data_ptr(), param.numel(), param.dtype)] = host
                         entries.append((start, end, host))
