@@ -22,8 +22,8 @@ One invocation; the configurations run interleaved round by round (the order rot
 - ``plus_keeper_bases``: the same without the diff log (``--diffckpt-plus-no-diff-log``: the
   keepers' memory and the bases only);
 - ``plus_keeper_f1``: ``plus_keeper_bases`` with a base every iteration, its files written by
-  the keepers (the default); ``plus_keeper_f1_ranks``: the same written by the ranks
-  (``--diffckpt-plus-ranks-write-bases``): what moving the writing out of the ranks saves;
+  the keepers (``--diffckpt-plus-keeper-writes-bases``); ``plus_keeper_f1_ranks``: the same
+  written by the ranks (the default): what moving the writing out of the ranks costs or saves;
 - ``lowdiff``: LowDiff (top-k exchange) with storage only, as without a keeper;
 - ``lowdiff_keeper``: LowDiff under the node launcher: every differential and every base also
   in the node's keeper;
@@ -101,11 +101,11 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
             True,
         ),
         # a base every iteration (no diff log): its files written by the keepers, or by the ranks
-        "plus_keeper_f1": ([*plus_f1, "--diffckpt-plus-keeper-replica"], True),
-        "plus_keeper_f1_ranks": (
-            [*plus_f1, "--diffckpt-plus-keeper-replica", "--diffckpt-plus-ranks-write-bases"],
+        "plus_keeper_f1": (
+            [*plus_f1, "--diffckpt-plus-keeper-replica", "--diffckpt-plus-keeper-writes-bases"],
             True,
         ),
+        "plus_keeper_f1_ranks": ([*plus_f1, "--diffckpt-plus-keeper-replica"], True),
         "lowdiff": (lowdiff, False),
         "lowdiff_keeper": (lowdiff, True),
         "lowdiff_keeper_replica": ([*lowdiff, "--diffckpt-keeper-replica"], True),

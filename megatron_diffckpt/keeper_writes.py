@@ -321,6 +321,8 @@ class _WriterProcess:
         )
         self.process.start()
         child.close()
+        self.owner = _connection()
+        """The connection (thread) that started it, and that it dies with."""
         self._warming = 0
 
     def warm(self, name: str) -> None:
@@ -338,8 +340,20 @@ class _WriterProcess:
         return self._conn.recv()
 
     def close(self) -> None:
+        """End it (it reads the end of its pipe and returns); idle, so at once."""
         self._conn.close()
         self.process.join(5)
+
+
+_THREAD = threading.local()
+
+
+def _connection() -> object:
+    """A token of the calling thread (a keeper's connection): unlike its thread id, never the
+    token of a thread that ended."""
+    if not hasattr(_THREAD, "token"):
+        _THREAD.token = object()
+    return _THREAD.token
 
 
 def _serve_writes(conn: Any, folder: str) -> None:
@@ -387,13 +401,16 @@ class KeeperWrites:
         name = req.get("writer")
         if name not in WRITERS:
             return {"error": f"the keeper runs no writer {name!r}"}, b""
-        if req.get("warm"):
-            with self._lock:  # not while a predecessor's process writes: the next write starts one
-                if key not in self._processes or not self._processes[key].process.is_alive():
-                    self._process(key).warm(name)
-            return {"ok": True}, b""
         with self._lock:
             rank_lock = self._rank_locks.setdefault(key, threading.Lock())
+        if req.get("warm"):
+            if rank_lock.acquire(blocking=False):  # not while a predecessor's process writes
+                try:
+                    with self._lock:
+                        self._process(key).warm(name)
+                finally:
+                    rank_lock.release()
+            return {"ok": True}, b""
         with rank_lock:  # a restarted rank's write waits for its predecessor's
             self._own(key, set(req.get("files", ())))
             began = time.perf_counter()
@@ -411,12 +428,16 @@ class KeeperWrites:
             return {"ok": True}, result
 
     def _process(self, key: tuple) -> _WriterProcess:
-        """The rank's writer process, a new one when it has none alive (started by the calling
-        connection's thread, it dies with it). Under ``_lock``."""
+        """The rank's writer process of the calling connection, started by its thread (it
+        dies with it); a predecessor's (another connection's, idle) is ended first. Under the
+        rank's lock and ``_lock``."""
         process = self._processes.get(key)
-        if process is None or not process.process.is_alive():
-            if process is not None:
-                process.close()
+        if process is not None and (
+            process.owner is not _connection() or not process.process.is_alive()
+        ):
+            process.close()
+            process = None
+        if process is None:
             process = self._processes[key] = _WriterProcess(self.folder)
         return process
 
@@ -427,8 +448,7 @@ class KeeperWrites:
         try:
             return process.run(name, payload)
         except (EOFError, OSError):
-            # the process ended with the connection that started it (a restarted rank's
-            # predecessor's) while it looked alive: once more in a new one
+            # the process ended meanwhile: once more in a new one
             with self._lock:
                 self._processes.pop(key).close()
                 process = self._process(key)

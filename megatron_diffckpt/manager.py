@@ -568,7 +568,7 @@ class DiffCheckpointManager:
                 on_base_failed=self.base_failed,
                 keeper=self.keeper if in_keeper else None,
                 keeper_log=keeper_log,
-                keeper_writes_bases=not self.config.plus_ranks_write_bases,
+                keeper_writes_bases=self.config.plus_keeper_writes_bases,
             )
             if in_keeper and self._from_keeper is not None:
                 self.strategy.merger.resumed = self._from_keeper

@@ -113,7 +113,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         on_base_failed: Callable[[int, BaseException], None] | None = None,
         keeper: Any = None,
         keeper_log: dict[str, Any] | None = None,
-        keeper_writes_bases: bool = True,
+        keeper_writes_bases: bool = False,
     ):
         if not model_chunks:
             raise ValueError(

@@ -65,6 +65,10 @@ def test_defaults_and_values():
         ({"compressor": "zip"}, "--diffckpt-compressor"),
         ({"topk_ratio": 0.0}, "--diffckpt-topk-ratio"),
         ({"topk_ratio": 1.5}, "--diffckpt-topk-ratio"),
+        (
+            {"mode": "lowdiff-plus", "plus_keeper_writes_bases": True},
+            "--diffckpt-plus-keeper-writes-bases is for --diffckpt-plus-keeper-replica",
+        ),
     ],
 )
 def test_invalid_values_name_the_flag(kwargs, message):

@@ -383,8 +383,10 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     the keepers, the newest iteration rank 0 logged or the next (storage holds base 10). Then
     the whole launcher, keeper included, dies after 17: the next launch's keeper is empty, and
     the job recovers from storage: the newest published base, then the diff log the keepers
-    wrote, to the newest iteration both ranks' logs hold."""
+    wrote, to the newest iteration both ranks' logs hold. The keepers write the bases' files.
+    """
     common, plus = _keeper_job(tmp_path, total=40, full_interval=5)
+    plus += ["--diffckpt-plus-keeper-writes-bases"]  # the storage fallback reads their bases
     proc, lines = _launch([*common, *plus])
     try:
         _wait_logged(lines, 11, proc)
@@ -407,7 +409,8 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     before = _last_logged(first[: got.start()])
     assert 11 <= before <= int(got[1]) <= before + 1  # nothing a keeper acknowledged is lost
     assert "loaded checkpoint from" not in first
-    # the keepers wrote the bases' files (the ranks planned and published them)
+    # the keepers wrote the bases' files (--diffckpt-plus-keeper-writes-bases; the ranks
+    # planned and published them)
     assert "base of iteration 5 published (written by the node's keeper in" in first, first[-3000:]
     assert "writes its base's files itself" not in first
     # the keepers wrote each rank's diff log (the ranks write none in this mode): its segments

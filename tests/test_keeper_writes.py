@@ -1,8 +1,9 @@
-"""LowDiff+'s base files written by the node's keeper: a request carries the rank's shared-memory
-tensors by reference and nothing a keeper should not run; a real keeper process writes files
-byte for byte as the rank's own writer does (megatron's per-file writer), with the same write
-results, in a writer process that ends with the rank's connection; a rank whose keeper is gone
-writes them itself; a keeper forgets (removes) the files of a rank's earlier set."""
+"""LowDiff+'s base files written by the node's keeper: a request carries the plan's tensors
+staged in shared memory (whole storages, buffers reused) by reference, small ones by value, and
+nothing a keeper should not run; a real keeper process writes files byte for byte as the rank's
+own writer does (megatron's per-file writer), with the same write results, in a writer process
+that keeps its mappings and ends with the rank's connection; a rank whose keeper is gone writes
+them itself; a keeper forgets (removes) the files of a rank's earlier set."""
 
 from __future__ import annotations
 

@@ -361,6 +361,7 @@ def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exac
     ckpt = tmp_path / "ckpt"
     plus = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
     plus += ["--diffckpt-mode", "lowdiff-plus", "--diffckpt-plus-keeper-replica"]
+    plus += ["--diffckpt-plus-keeper-writes-bases"]
     restarted = _killed_under_the_node_launcher([*gpt, *plus], "plus-hand-over:9@1")
     kept = "recovery: iteration 8 from the replica in the node's keeper"
     assert kept in restarted, restarted[-4000:]
