@@ -308,10 +308,9 @@ class HandedWrites:
 class _WriterProcess:
     """A process of the keeper that runs one rank's writers (spawned: a fresh interpreter, no
     lock of the keeper's threads inherited). Each rank's writes run in a process of their own,
-    as they did in the rank: one interpreter would serialise the ranks' ``torch.save`` calls
-    (measured at 12.9M parameters on 2 ranks: a base every iteration took 2.0-2.6 s to write
-    in the keeper's threads, 0.3-2.0 s in the ranks'). It dies with the keeper's thread that
-    started it (the rank's connection), at lower CPU priority."""
+    as they did in the rank: one interpreter would serialise the ranks' ``torch.save`` calls.
+    It dies with the keeper's thread that started it (the rank's connection), and runs at lower
+    CPU priority."""
 
     def __init__(self, folder: str):
         context = multiprocessing.get_context("spawn")
