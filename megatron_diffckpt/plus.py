@@ -16,9 +16,9 @@ this module holds the order of things:
    buffer (a host memcpy; the merger goes on with the next iterations) and the training loop's
    save function plans a stock dist checkpoint of the copy (a collective; see
    :mod:`megatron_diffckpt.strategy` for its protocol); a persister thread writes it (with the
-   replica in the node's keeper: the keeper writes the files from shared memory,
-   :mod:`~megatron_diffckpt.keeper_writes`), and once every rank has written, the training
-   thread finalizes it (metadata last) and publishes it.
+   replica in the node's keeper and ``--diffckpt-plus-keeper-writes-bases``: the keeper writes
+   the files, staged in shared memory, :mod:`~megatron_diffckpt.keeper_writes`), and once
+   every rank has written, the training thread finalizes it (metadata last) and publishes it.
 
 Collective rule: :meth:`start`, :meth:`end_iteration`, :meth:`save_base` and :meth:`close` are
 called by all ranks together (``end_iteration`` is a collective while a base is being written).
