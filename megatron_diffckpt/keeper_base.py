@@ -343,7 +343,7 @@ def stage_base(
 
 
 def _remove(arena: SharedArena) -> None:
-    remove_files([spec["file"] for spec in arena.specs.values()], arena.folder)
+    remove_files(arena.files(), arena.folder)
     arena.specs.clear()
 
 

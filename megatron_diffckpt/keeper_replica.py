@@ -482,7 +482,7 @@ class HostedReplicas:
                 "lowdiff": True,
             }
         except (OSError, RuntimeError, ValueError):
-            self._remove_files({spec["file"] for spec in arena.specs.values()})
+            self._remove_files(set(arena.files()))
             raise
         with self._lock:
             previous = self._replicas.get(key)

@@ -168,7 +168,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._host_group = host_group_like(dp_group.data_parallel_group)
         self._handed: HandedWrites | None = None  # the keeper writing the base files
         if self.in_keeper and keeper_writes_bases:
-            staging = StagingArea(keeper.shm_folder())
+            staging = StagingArea(keeper_merger.arena.folder)  # the keeper's folder
             self._handed = HandedWrites(
                 keeper.sibling(timeout=None), staging, warm=base_checkpoint.write_files
             )
