@@ -187,6 +187,12 @@ def _print_keeper(k: dict) -> None:
             f"  rank_{b['tp_rank']}_{b['pp_rank']}_{b['dp_rank']}: LowDiff base of iteration "
             f"{b['iteration']}, {b['bytes'] / 2**20:.1f} MiB (run {b['run_id'][:8]})"
         )
+    for g in k.get("logs", []):  # LowDiff logs the keeper writes (--diffckpt-keeper-writes-log)
+        print(
+            f"  rank_{g['tp_rank']}_{g['pp_rank']}_{g['dp_rank']}: diff log written here, "
+            f"durable to {g['durable']}, {g['segments']} segment(s), "
+            f"{g['bytes_written'] / 2**20:.1f} MiB (run {g['run_id'][:8]})"
+        )
     for w in k.get("writes", []):  # LowDiff+ bases whose files the keeper wrote for the rank
         print(
             f"  rank_{w['tp_rank']}_{w['pp_rank']}_{w['dp_rank']}: {w['writes']} base(s) written "

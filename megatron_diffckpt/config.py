@@ -109,6 +109,12 @@ class DiffCkptConfig:
     and residuals per base; held within --diffckpt-keeper-memory), so that a restart whose
     ranks all find it reads no base from storage."""
 
+    keeper_writes_log: bool = False
+    """lowdiff under a node launcher with a keeper: the keeper writes each rank's diff log from
+    the records the rank hands it (already encoded: no second serialisation or checksum), and
+    the rank's writer only hands over, keeping each record until the keeper reports it durable;
+    a rank whose keeper is lost writes its log itself from the newest durable iteration on."""
+
     keeper_replica: bool = False
     """lowdiff under a node launcher with a keeper: the keeper also steps a copy of each rank's
     newest kept base with every differential the rank hands over (one iteration behind), so
@@ -157,6 +163,11 @@ class DiffCkptConfig:
             raise DiffCkptUsageError(
                 "--diffckpt-plus-keeper-writes-bases is for --diffckpt-plus-keeper-replica (the "
                 "keeper that holds the replica writes its bases)"
+            )
+        if self.keeper_writes_log and self.mode != "lowdiff":
+            raise DiffCkptUsageError(
+                "--diffckpt-keeper-writes-log is for --diffckpt-mode lowdiff (with "
+                "--diffckpt-plus-keeper-replica, lowdiff-plus's keeper writes its diff log)"
             )
         if self.keeper_replica and (self.mode != "lowdiff" or self.keeper_no_base):
             raise DiffCkptUsageError(

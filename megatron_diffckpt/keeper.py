@@ -237,7 +237,10 @@ class _Handler(socketserver.BaseRequestHandler):
                 held, why = state.put(req["identity"], int(req["iteration"]), payload)
                 if held and server.bases is not None:
                     server.bases.drop_from(_key(req["identity"]), int(req["iteration"]))
-                _send(self.request, {"held": held, "why": why})
+                logged = {}  # the rank's diff log, when this keeper writes it (keeper_log)
+                if "log" in req and not from_peer:
+                    logged = server.logs.append(_key(req["identity"]), req, payload)
+                _send(self.request, {"held": held, "why": why, **logged})
                 if held and link is not None and not from_peer:
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)
                 if held and not from_peer:  # LowDiff's replica, off the rank's training path
@@ -248,6 +251,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     server.bases.published(_key(req["identity"]), int(req["iteration"]))
                 if not from_peer:
                     server.replicas.published(_key(req["identity"]), int(req["iteration"]))
+                    server.logs.rebase(_key(req["identity"]), int(req["iteration"]))
                 _send(self.request, {"ok": True})
                 if link is not None and not from_peer:
                     link.forward({k: req[k] for k in ("op", "identity", "iteration")})
@@ -264,6 +268,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     _send(self.request, *reply)
                 except OSError:
                     return  # the rank died while its files were written: no finalize follows
+            elif op.startswith("log_") and not from_peer:
+                _send(self.request, server.logs.handle(op, _key(req["identity"]), req, self))
             elif op.startswith("base_") and not from_peer:
                 key = _key(req["identity"])
                 reply = server.bases.handle(op, key, req, payload)
@@ -281,6 +287,12 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             else:
                 _send(self.request, {"error": f"unknown request {op!r}"})
+
+    def finish(self) -> None:
+        """The connection ended: a log its rank opened is written out now (the rank died, or
+        closed it already)."""
+        if self.server.logs is not None:
+            self.server.logs.detach(self)
 
     def _chain(self, req: dict, state: KeeperState, link: Any, from_peer: bool) -> None:
         records = state.chain(req["identity"], int(req["after"]))
@@ -306,6 +318,7 @@ class _Serving:
         self.replicas: Any = None  # the local server's HostedReplicas
         self.bases: Any = None  # the local server's KeptBases
         self.writes: Any = None  # the local server's KeeperWrites
+        self.logs: Any = None  # the local server's KeeperLogs
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.stop_all: Any = None  # set by serve()
@@ -319,6 +332,8 @@ class _Serving:
             out["bases"] = self.bases.stats()
         if self.writes is not None:
             out["writes"] = self.writes.stats()
+        if self.logs is not None:
+            out["logs"] = self.logs.stats()
         if self.link is not None:
             out["peer"] = {"successor": self.link.successor, "dropped": self.link.dropped}
             for c in out["chains"]:
@@ -377,6 +392,7 @@ def serve(
     fresh one in ``/dev/shm``.
     """
     from megatron_diffckpt.keeper_base import KeptBases
+    from megatron_diffckpt.keeper_log import KeeperLogs
     from megatron_diffckpt.keeper_peers import PeerLink
     from megatron_diffckpt.keeper_replica import HostedReplicas
     from megatron_diffckpt.keeper_writes import KeeperWrites
@@ -407,6 +423,7 @@ def serve(
     local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
     local.bases = KeptBases(state, os.path.abspath(shm))
     local.writes = KeeperWrites(os.path.abspath(shm))
+    local.logs = KeeperLogs()
     for server in servers:  # the peers' server takes the copies
         server.replicas = local.replicas
     servers.insert(0, local)
@@ -430,6 +447,7 @@ def serve(
             server.server_close()
         local.replicas.close()
         local.writes.close()
+        local.logs.close()
         if link is not None:
             link.close()
         if os.path.exists(path):
@@ -499,18 +517,25 @@ class KeeperClient:
 
     def put(self, record: DiffRecord) -> bool:
         """Hand ``record`` to the keeper; ``True`` once it holds it."""
-        reply = self.call({"op": "put", "iteration": record.iteration}, encode_record(record))
+        reply = self.hand(record)
+        return reply is not None and reply["held"]
+
+    def hand(self, record: DiffRecord, extra: dict | None = None) -> dict | None:
+        """:meth:`put` with ``extra`` in the request (``log``: the diff log the keeper writes
+        for this rank, :mod:`~megatron_diffckpt.keeper_log`); the keeper's reply, or ``None``
+        once it is lost."""
+        header = {"op": "put", "iteration": record.iteration, **(extra or {})}
+        reply = self.call(header, encode_record(record))
         if reply is None:
-            return False
+            return None
         if reply[0]["held"]:
             self.held_iteration = record.iteration
-            return True
-        if not self._refused_warned:
+        elif not self._refused_warned:
             self._refused_warned = True
             logger.warning(
                 "keeper did not take iteration %d: %s", record.iteration, reply[0]["why"]
             )
-        return False
+        return reply[0]
 
     def published(self, base: int) -> None:
         """A base of ``base`` is published: the keeper drops this rank's records up to it."""

@@ -64,7 +64,7 @@ from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.keeper_base import missing_file
-from megatron_diffckpt.recovery import truncate_log
+from megatron_diffckpt.keeper_log import open_log
 from megatron_diffckpt.replica_merger import (
     ParamSlice,
     ShardLayout,
@@ -88,11 +88,9 @@ from megatron_diffckpt.shared_replica import (
 )
 from megatron_diffckpt.storage.format import (
     DiffRecord,
-    SegmentIdentity,
     encode_record,
     iter_records,
 )
-from megatron_diffckpt.storage.writer import DiffLogWriter
 
 logger = logging.getLogger(__name__)
 
@@ -129,29 +127,12 @@ class ReplicaLog:
     Before a rank cuts its log itself (a recovery from storage), it asks for
     :meth:`flush`: nothing is written after it until the rank opens its replica again.
 
-    ``spec`` (from the rank's ``replica_open``): ``root`` (the diff log folder), ``compressor``,
-    ``batch_size``, ``max_pending``, ``when_full``, ``direct_io``, ``slow_hint``, and
-    ``durable``: the newest iteration storage holds of this rank's chain when that is older
-    than ``iteration`` (a replica recovered from a peer; ``None``: ``iteration`` itself).
+    ``spec`` (from the rank's ``replica_open``): :func:`~megatron_diffckpt.keeper_log.open_log`'s,
+    with ``durable`` set for a replica recovered from a peer (storage's chain may end before it).
     """
 
     def __init__(self, spec: dict[str, Any], iteration: int, identity: dict[str, Any]):
-        who = SegmentIdentity(**identity)
-        rank_dir = os.path.join(spec["root"], who.dirname())
-        if os.path.isdir(rank_dir):
-            truncate_log(rank_dir, None, iteration)
-        self.writer = DiffLogWriter(
-            spec["root"],
-            who,
-            spec["compressor"],
-            batch_size=int(spec["batch_size"]),
-            max_pending=int(spec["max_pending"]),
-            when_full=spec["when_full"],
-            chain_start=iteration,
-            slow_hint=spec["slow_hint"],
-            direct_io=bool(spec["direct_io"]),
-            durable_from=spec.get("durable"),
-        )
+        self.writer = open_log(spec, iteration, identity)
         self.capture = GradShardCapture()
 
     def continues(self, iteration: int) -> bool:

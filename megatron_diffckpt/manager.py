@@ -63,6 +63,7 @@ from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.keeper import KeeperClient
+from megatron_diffckpt.keeper_log import KeeperLogWriter
 from megatron_diffckpt.lowdiff import LowDiffStrategy
 from megatron_diffckpt.patches import base_checkpoint, optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlusStrategy
@@ -321,6 +322,7 @@ class DiffCheckpointManager:
         after a look that did not recover)."""
         if self._scanned is not None and self._scanned[0] == base_iteration:
             return self._scanned[1:]
+        self._quiesce_keepers_log()  # an earlier attempt's writer in the keeper: done
         start = time.perf_counter()
         scan = scan_rank_log(self.rank_dir, self.identity, base_iteration)
         read_s = time.perf_counter() - start
@@ -407,11 +409,14 @@ class DiffCheckpointManager:
         return last
 
     def _quiesce_keepers_log(self) -> None:
-        """Before this rank cuts its diff log: when the node's keeper writes it (LowDiff+ with
-        its replica there), the keeper writes what it holds and then nothing more until this
-        rank opens its replica again, so nothing of an earlier attempt lands after the cut."""
+        """Before this rank reads or cuts its diff log: when the node's keeper writes it
+        (LowDiff+ with its replica there, LowDiff with ``--diffckpt-keeper-writes-log``), the
+        keeper writes what it holds and then nothing more until this rank opens its replica or
+        log again, so nothing of an earlier attempt lands after the cut."""
         if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica and self.keeper:
             self.keeper.call({"op": "replica_log_flush"})
+        elif self.config.mode == "lowdiff" and self.keeper:  # --diffckpt-keeper-writes-log
+            self.keeper.call({"op": "log_close"})
 
     def _storage_tracker(self) -> int:
         """The iteration storage's tracker names (0: none yet)."""
@@ -540,8 +545,17 @@ class DiffCheckpointManager:
                 # recovered from a keeper: storage's chain may end before (a peer's replica)
                 "durable": self._storage_tracker() if self._from_keeper is not None else None,
             }
+        writer_class = DiffLogWriter
+        if self.config.keeper_writes_log and self.keeper is not None:
+            writer_class = KeeperLogWriter  # the keeper writes the segments (keeper_log)
+        elif self.config.keeper_writes_log:
+            logger.warning(
+                "--diffckpt-keeper-writes-log: no keeper runs on this node (start the job under "
+                "examples/gpt/node_launcher.py --diffckpt-keeper-memory MIB); this rank writes "
+                "its diff log"
+            )
         if not (plus and (self.config.plus_no_diff_log or not diff_log or in_keeper)):
-            self.writer = DiffLogWriter(
+            self.writer = writer_class(
                 self.dir,
                 self.identity,
                 self._compressor_name(),

@@ -69,6 +69,10 @@ def test_defaults_and_values():
             {"mode": "lowdiff-plus", "plus_keeper_writes_bases": True},
             "--diffckpt-plus-keeper-writes-bases is for --diffckpt-plus-keeper-replica",
         ),
+        (
+            {"mode": "lowdiff-plus", "keeper_writes_log": True},
+            "--diffckpt-keeper-writes-log is for --diffckpt-mode lowdiff",
+        ),
     ],
 )
 def test_invalid_values_name_the_flag(kwargs, message):

@@ -266,12 +266,16 @@ def _ranks_of(launcher: psutil.Process) -> list[psutil.Process]:
 
 
 @pytest.mark.distributed
-def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path):
+@pytest.mark.parametrize("writes_log", [False, True], ids=["ranks_write", "keeper_writes"])
+def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path, writes_log):
     """Batches of 8 iterations: when the ranks die after iteration 11, storage holds 1-8 and the
     keeper 1-11 (or 12); the restarted ranks recover to the newest iteration every rank's keeper
-    acknowledged, and the run ends equal to an uninterrupted one (``torch.equal``)."""
+    acknowledged, and the run ends equal to an uninterrupted one (``torch.equal``). With
+    ``--diffckpt-keeper-writes-log`` the keeper writes the log, and the part batch of each
+    killed rank as its connection ends: storage alone then serves the whole recovery."""
     total, kill_after = 16, 11
     ckpt, common, diff = _straight_run_and_flags(tmp_path, total, batch=8)
+    diff += ["--diffckpt-keeper-writes-log"] if writes_log else []
     cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64", "--standalone"]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(PRETRAIN_GPT), *common, *diff]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -309,7 +313,12 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path):
     # Both ranks had handed iteration 11 over before rank 0 logged it: nothing the keepers
     # acknowledged is lost, though storage held 8.
     assert kill_after <= recovered <= kept[0]
-    assert f"1-8 from the diff log, 9-{recovered} from the node's keeper" in log
+    if writes_log:
+        assert log.count("keeper: writes the diff log of rank_0_0_") == 4  # 2 ranks, 2 attempts
+        assert f"1-{recovered} from the diff log" in log, log[-4000:]
+        assert "this rank writes it" not in log  # no take-over
+    else:
+        assert f"1-8 from the diff log, 9-{recovered} from the node's keeper" in log
     # storage now reaches the recovered iteration too, and the run ended exactly as straight
     for rank_dir in (ckpt / "diffckpt").glob("rank_*"):
         assert (rank_dir / f"seg_0000000009_{recovered:010d}.bin").exists()

@@ -18,7 +18,7 @@ BELOW_THE_MANAGER = (
     "autotune.py", "background.py", "base_space.py", "capture.py", "checkpoint_layout.py", "cli.py",
     "compression.py", "config.py", "dist_ckpt_io.py", "durable_io.py", "errors.py",
     "exchange.py", "export.py", "failpoints.py", "full_storage.py", "keeper.py", "keeper_peers.py",
-    "keeper_base.py", "keeper_merger.py", "keeper_replica.py", "keeper_writes.py",
+    "keeper_base.py", "keeper_log.py", "keeper_merger.py", "keeper_replica.py", "keeper_writes.py",
     "shared_replica.py",
     "offline_merge.py",
     "progress.py", "recovery.py", "reshardable.py",

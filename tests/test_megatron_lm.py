@@ -385,14 +385,15 @@ def test_lowdiff_recovers_from_the_keepers_base_newer_than_the_one_megatron_lm_l
     save. The restarted ranks (Megatron-LM loads base 5) take the keepers' base 10 in place of
     base 5 (nothing to replay: 10 is the newest iteration both ranks ended), or with
     ``--diffckpt-keeper-replica`` the keepers' replicas at 10, and the final checkpoint and
-    the losses equal the uninterrupted run's."""
+    the losses equal the uninterrupted run's. With the keepers' base, the keepers also write the
+    diff log (``--diffckpt-keeper-writes-log``)."""
     layout = "dp2-async-save"
     gpt = [*GPT, *LAYOUTS[layout][0].split()]
     straight, expected_losses = straight_runs(layout)
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
     diff += ["--diffckpt-mode", "lowdiff"]
-    diff += ["--diffckpt-keeper-replica"] if kept == "replica" else []
+    diff += ["--diffckpt-keeper-replica"] if kept == "replica" else ["--diffckpt-keeper-writes-log"]
     restarted = _killed_under_the_node_launcher([*gpt, *diff], "base-kept:2@1")
     loaded = re.search(r"loaded checkpoint from .* at iteration (\d+)", restarted)
     # base 10 is never finalized: the killed rank could not take part
@@ -407,6 +408,9 @@ def test_lowdiff_recovers_from_the_keepers_base_newer_than_the_one_megatron_lm_l
     )
     assert "replayed 0 differential(s)" in restarted
     assert re.search(r"recovered to iteration 10 \(base 5\)", restarted)
+    if kept == "base":  # the keepers wrote the restarted ranks' diff log (its segments exist)
+        assert "keeper: writes the diff log of rank_0_0_1 from iteration 11" in restarted
+        assert sorted((ckpt / "diffckpt" / "rank_0_0_1").glob("seg_*"))
     _assert_same_losses(_resumed_losses(restarted, 10), expected_losses)
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")

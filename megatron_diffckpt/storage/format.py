@@ -106,6 +106,33 @@ class DiffRecord:
 
 
 @dataclass(frozen=True)
+class EncodedRecord:
+    """A record already in the diff log's encoding (:func:`encode_record`): what the node's
+    keeper holds, and writes into segments as it is (no decoding, no second checksum)."""
+
+    iteration: int
+    data: bytes | bytearray
+
+    @classmethod
+    def of(cls, iteration: int, data: bytes | bytearray) -> EncodedRecord:
+        """``data`` checked to frame exactly one record of ``iteration`` (its checksum is the
+        reader's to check); raises :class:`DiffLogFormatError`."""
+        if len(data) < _RECORD_HEAD.size + _CRC.size:
+            raise DiffLogFormatError(f"an encoded record of {len(data)} bytes is truncated")
+        magic, it, m, p = _RECORD_HEAD.unpack_from(data)
+        if magic != RECORD_MAGIC or it != iteration:
+            raise DiffLogFormatError(
+                f"not an encoded record of iteration {iteration} (magic {magic!r}, iteration {it})"
+            )
+        if len(data) != _RECORD_HEAD.size + m + p + _CRC.size:
+            raise DiffLogFormatError(
+                f"the encoded record of iteration {iteration} frames {m + p} bytes, "
+                f"holds {len(data) - _RECORD_HEAD.size - _CRC.size}"
+            )
+        return cls(iteration, data)
+
+
+@dataclass(frozen=True)
 class SegmentHeader:
     identity: SegmentIdentity
     compressor: str
@@ -126,7 +153,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 
 
-def write_segment(f: BinaryIO, header: SegmentHeader, records: list[DiffRecord]) -> int:
+def write_segment(
+    f: BinaryIO, header: SegmentHeader, records: list[DiffRecord] | list[EncodedRecord]
+) -> int:
     """Serialise a segment to ``f``; returns the bytes written. Any rank."""
     head = dict(asdict(header))
     head_json = json.dumps(head, sort_keys=True).encode()
@@ -134,7 +163,7 @@ def write_segment(f: BinaryIO, header: SegmentHeader, records: list[DiffRecord])
     written += f.write(head_json)
     written += f.write(_CRC.pack(zlib.crc32(head_json)))
     for rec in records:
-        written += _write_record(f, rec)
+        written += f.write(rec.data) if isinstance(rec, EncodedRecord) else _write_record(f, rec)
     return written
 
 

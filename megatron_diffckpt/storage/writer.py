@@ -37,6 +37,7 @@ from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
 from megatron_diffckpt.storage.format import (
     DiffRecord,
+    EncodedRecord,
     SegmentHeader,
     SegmentIdentity,
     segment_filename,
@@ -143,7 +144,9 @@ class DiffLogWriter:
         self.identity = identity
         self.compressor = compressor
         self.batch_size = batch_size
+        self.max_pending = max_pending
         self.when_full = when_full
+        self.direct_io = direct_io
         self.slow_hint = slow_hint
         self.keeper = keeper
         self._slow_warned = False
@@ -152,7 +155,7 @@ class DiffLogWriter:
         self._token = uuid.uuid4().hex
         publish_file(os.path.join(self.dir, OWNER_FILE), lambda f: f.write(self._token.encode()))
         self.stats = WriterStats()
-        self._batch: list[DiffRecord] = []
+        self._batch: list[DiffRecord | EncodedRecord] = []
         self._lock = threading.Lock()
         self._next_iteration = chain_start + 1
         # The chain: every iteration in (base, _durable] is published. Segments published beyond a
@@ -175,17 +178,25 @@ class DiffLogWriter:
         with self._lock:
             return self._durable
 
-    def append(self, record: DiffRecord) -> None:
+    def append(self, record: DiffRecord | EncodedRecord) -> None:
         """Take ownership of ``record`` (its tensors must not change afterwards)."""
         self._raise_background_error()
-        if record.iteration != self._next_iteration:
-            raise ValueError(
-                f"diff log of {self.identity.dirname()} expects iteration "
-                f"{self._next_iteration}, got {record.iteration}"
-            )
-        self._next_iteration += 1
+        self._advance(record.iteration)
         if self.keeper is not None:
             self.keeper.put(record)
+        self._add(record)
+
+    def _advance(self, iteration: int) -> None:
+        """Check that ``iteration`` is the next one, and count it."""
+        if iteration != self._next_iteration:
+            raise ValueError(
+                f"diff log of {self.identity.dirname()} expects iteration "
+                f"{self._next_iteration}, got {iteration}"
+            )
+        self._next_iteration += 1
+
+    def _add(self, record: DiffRecord | EncodedRecord) -> None:
+        """Batch ``record``; a full batch goes to the background thread."""
         self._batch.append(record)
         if len(self._batch) >= self.batch_size:
             self._submit()
@@ -296,7 +307,7 @@ class DiffLogWriter:
             records,
             per_record / 1e6,
             rate / 1e6,
-            self._worker.backlog,
+            self.backlog,
             self.slow_hint,
         )
 
@@ -313,7 +324,7 @@ class DiffLogWriter:
                 f"is {self.durable_iteration}"
             ) from self._worker.error
 
-    def _storage_full(self, batch: list[DiffRecord], exc: OSError) -> None:
+    def _storage_full(self, batch: list[DiffRecord | EncodedRecord], exc: OSError) -> None:
         """A segment did not fit: stop (block) or drop it with one warning per incident."""
         what = f"{self.dir}: {os.strerror(exc.errno)}"
         if self.when_full == "block":
@@ -346,14 +357,14 @@ class DiffLogWriter:
     def _failed(self, exc: BaseException) -> None:  # the worker thread; the next call raises it
         logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
 
-    def _write(self, batch: list[DiffRecord]) -> None:
+    def _write(self, batch: list[DiffRecord | EncodedRecord]) -> None:
         cpu = time.thread_time()
         try:
             self._write_segment(batch)
         finally:
             self.stats.cpu_seconds += time.thread_time() - cpu
 
-    def _write_segment(self, batch: list[DiffRecord]) -> None:
+    def _write_segment(self, batch: list[DiffRecord | EncodedRecord]) -> None:
         start = time.perf_counter()
         first, last = batch[0].iteration, batch[-1].iteration
         header = SegmentHeader(self.identity, self.compressor, first, last, len(batch))
