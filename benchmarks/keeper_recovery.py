@@ -28,7 +28,12 @@ One invocation; the configurations run interleaved round by round (the order rot
 - ``lowdiff_keeper``: LowDiff under the node launcher: every differential and every base also
   in the node's keeper;
 - ``lowdiff_keeper_replica``: the same with ``--diffckpt-keeper-replica``: the keeper also
-  steps a copy of the newest kept base with every differential, one behind.
+  steps a copy of the newest kept base with every differential, one behind;
+- ``lowdiff_keeper_log``: ``lowdiff_keeper`` with the keepers writing the diff log
+  (``--diffckpt-keeper-writes-log``) instead of the ranks;
+- ``lowdiff_dense_keeper`` and ``lowdiff_dense_keeper_log``: the same two with the dense
+  exchange (no compression: every record is the rank's whole gradient shard), where writing
+  the log costs what it costs LowDiff+.
 
 In ``plus_log`` and ``plus_keeper``, rank 1 is SIGKILLed before it hands iteration ``KILL_AT``
 over (fail point ``plus-hand-over``); torchrun restarts both ranks, which recover the newest
@@ -89,8 +94,10 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
     saved = ["--diffckpt-mode", "lowdiff-plus", "--save", ckpt, "--load", ckpt]
     plus = [*saved, "--diffckpt-full-interval", str(BASE_INTERVAL)]
     plus_f1 = [*saved, "--diffckpt-full-interval", "1", "--diffckpt-plus-no-diff-log"]
-    lowdiff = [*TOPK, "--diffckpt-mode", "lowdiff", "--save", ckpt, "--load", ckpt]
-    lowdiff += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
+    dense = ["--diffckpt-mode", "lowdiff", "--save", ckpt, "--load", ckpt]
+    dense += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
+    lowdiff = [*TOPK, *dense]
+    log = "--diffckpt-keeper-writes-log"
     return {
         "none": ([], False),
         "plus_bases": ([*plus, "--diffckpt-plus-no-diff-log"], False),
@@ -109,6 +116,9 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
         "lowdiff": (lowdiff, False),
         "lowdiff_keeper": (lowdiff, True),
         "lowdiff_keeper_replica": ([*lowdiff, "--diffckpt-keeper-replica"], True),
+        "lowdiff_keeper_log": ([*lowdiff, log], True),
+        "lowdiff_dense_keeper": (dense, True),
+        "lowdiff_dense_keeper_log": ([*dense, log], True),
     }
 
 
@@ -120,6 +130,9 @@ KILLED = {  # configuration -> the fail point that kills rank 1
     "lowdiff": f"iteration-end:{KILL_AT - 1}@1",
     "lowdiff_keeper": f"iteration-end:{KILL_AT - 1}@1",
     "lowdiff_keeper_replica": f"iteration-end:{KILL_AT - 1}@1",
+    "lowdiff_keeper_log": f"iteration-end:{KILL_AT - 1}@1",
+    "lowdiff_dense_keeper": f"iteration-end:{KILL_AT - 1}@1",
+    "lowdiff_dense_keeper_log": f"iteration-end:{KILL_AT - 1}@1",
 }
 
 
