@@ -183,8 +183,9 @@ def _print_keeper(k: dict) -> None:
         )
 
     for b in k.get("bases", []):
+        kind = "copy of the previous node's LowDiff base" if b.get("copy") else "LowDiff base"
         print(
-            f"  rank_{b['tp_rank']}_{b['pp_rank']}_{b['dp_rank']}: LowDiff base of iteration "
+            f"  rank_{b['tp_rank']}_{b['pp_rank']}_{b['dp_rank']}: {kind} of iteration "
             f"{b['iteration']}, {b['bytes'] / 2**20:.1f} MiB (run {b['run_id'][:8]})"
         )
     for g in k.get("logs", []):  # LowDiff logs the keeper writes (--diffckpt-keeper-writes-log)

@@ -12,8 +12,9 @@ What it holds, per rank (its whole :class:`~megatron_diffckpt.storage.format.Seg
 run, coordinates and shard layout, so it never serves a record to another layout): the records
 after the newest base that rank reported published, each in the diff log's own record encoding
 (checksummed, never pickle). LowDiff's ranks go on writing the diff log to storage themselves; the
-keeper is a second copy, in memory, that a restart reads first. (LowDiff+ with its replica here:
-the keeper itself writes the diff log, from its merges.)
+keeper is a second copy, in memory, that a restart reads first. (With
+``--diffckpt-keeper-writes-log`` the keeper writes LowDiff's diff log from these records,
+:mod:`~megatron_diffckpt.keeper_log`; LowDiff+ with its replica here: from its merges.)
 
 - **Acknowledged = held.** :meth:`KeeperClient.put` returns once the keeper holds the record: it
   survives the rank (SIGKILL included), not the node.
@@ -30,7 +31,8 @@ the keeper itself writes the diff log, from its merges.)
   (:mod:`~megatron_diffckpt.keeper_replica`);
   ``base_*``: LowDiff's newest base in memory (:mod:`~megatron_diffckpt.keeper_base`);
   ``write_files``: a LowDiff+ base's files, written here for the rank
-  (:mod:`~megatron_diffckpt.keeper_writes`).
+  (:mod:`~megatron_diffckpt.keeper_writes`); ``log_*`` (and a ``put`` naming the log): LowDiff's
+  diff log, written here for the rank (:mod:`~megatron_diffckpt.keeper_log`).
 - **A ring.** With ``--peers DIR --node N --nnodes M``, a second server on TCP takes the same
   requests from the previous node's keeper (each with this keeper's token), and every record
   and published base is copied to the next node's; a ``chain`` this keeper cannot serve (it was
@@ -270,6 +272,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     return  # the rank died while its files were written: no finalize follows
             elif op.startswith("log_") and not from_peer:
                 _send(self.request, server.logs.handle(op, _key(req["identity"]), req, self))
+            elif op.startswith("base_copy_") and from_peer:  # the previous node's ranks' bases
+                _send(self.request, *server.bases.copy(op, _key(req["identity"]), req, payload))
             elif op.startswith("base_") and not from_peer:
                 key = _key(req["identity"])
                 reply = server.bases.handle(op, key, req, payload)
@@ -421,11 +425,11 @@ def serve(
         shm = tempfile.mkdtemp(prefix="diffckpt-keeper-", dir=shared_memory_root())
     os.makedirs(shm, mode=0o700, exist_ok=True)
     local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
-    local.bases = KeptBases(state, os.path.abspath(shm))
+    local.bases = KeptBases(state, os.path.abspath(shm), link)
     local.writes = KeeperWrites(os.path.abspath(shm))
     local.logs = KeeperLogs()
     for server in servers:  # the peers' server takes the copies
-        server.replicas = local.replicas
+        server.replicas, server.bases = local.replicas, local.bases
     servers.insert(0, local)
 
     def stop_all() -> None:
@@ -446,6 +450,7 @@ def serve(
             server.close_connections()
             server.server_close()
         local.replicas.close()
+        local.bases.close()
         local.writes.close()
         local.logs.close()
         if link is not None:

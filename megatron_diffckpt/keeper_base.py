@@ -28,9 +28,15 @@ replaying them. Here every base a rank saves is also staged in its keeper's memo
    keeper's files, copies them into its optimizer and residuals, and replays its chain from B
    on (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.recover_from_keeper`).
 
-Bases are not copied to the next node's keeper: a node lost whole comes back with an empty
-keeper, so its ranks hold no base, and every rank loads storage's (the peer's differentials
-still serve the replay, :mod:`~megatron_diffckpt.keeper_peers`).
+**The ring** (with ``--diffckpt-keeper-peers``): each base a keeper takes is copied, off the
+rank's path (a thread of the keeper, after the reply), to the next node's keeper
+(``base_copy_put``), which holds it under its cap as it holds its own (the newest, and the
+newest at or below the base published; dropped by the same records and publications, which
+travel the ring too). A node lost whole comes back with an empty keeper: asked for its ranks'
+bases, it fetches the successor's copies (``base_copy_fetch``), takes them into files of its
+own folder and serves them as its own (``keeper: adopted the base of rank_0_0_1 at iteration
+10 from the keeper of node 0 (a peer)``), so its ranks too recover without reading storage's
+base, and replay the peer's differentials (:mod:`~megatron_diffckpt.keeper_peers`).
 
 4. **Replica** (``--diffckpt-keeper-replica``): from each kept base on, the keeper also steps a
    copy of it with every differential the rank hands over, one iteration behind
@@ -41,6 +47,7 @@ still serve the replay, :mod:`~megatron_diffckpt.keeper_peers`).
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -52,16 +59,21 @@ from typing import Any
 import torch
 
 from megatron_diffckpt import failpoints
+from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.replica_merger import _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
+    create_tensor,
     describe,
     files_of,
     map_tensor,
     nbytes_of,
+    packed,
     remove_files,
     specs_of,
+    tensor_bytes,
+    tensor_from,
     tensor_nbytes,
 )
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
@@ -80,6 +92,8 @@ class KeptBase:
     """Error-feedback residual per bucket: its tensor spec."""
     record: bytes
     """The base iteration's counters and RNG states (one encoded record)."""
+    tier: str = "the node's keeper"
+    """Where it came from: this keeper's rank, or a peer's copy (adopted)."""
     files: set[str] = field(init=False)
     nbytes: int = field(init=False)
 
@@ -98,24 +112,40 @@ class KeptBases:
     :class:`~megatron_diffckpt.keeper.KeeperState` whose cap they share; ``folder``: the
     keeper's shared-memory folder). Thread-safe."""
 
-    def __init__(self, state: Any, folder: str):
+    def __init__(self, state: Any, folder: str, link: Any = None):
         self.state = state
         self.folder = folder
+        self.link = link
+        """The ring (:class:`~megatron_diffckpt.keeper_peers.PeerLink`), or ``None``."""
         self._bases: dict[tuple, list[KeptBase]] = {}
+        self._copies: dict[tuple, list[KeptBase]] = {}
+        """The previous node's ranks' bases."""
         self._published: dict[tuple, int] = {}
         self._lock = threading.Lock()
+        self._files = 0
+        self._sender = (
+            BackgroundWorker("keeper-base-copy", self._send_copy) if link is not None else None
+        )
 
     def handle(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """One ``base_*`` request; the reply (errors are replies)."""
         try:
             if op == "base_put":
-                return self._put(key, req, bytes(payload)), b""
+                base = KeptBase(
+                    int(req["iteration"]), req["optimizers"], req["residuals"], bytes(payload)
+                )
+                reply = self._hold(self._bases, key, base)
+                if reply.get("ok") and self._sender is not None:  # the ring's copy, off the reply
+                    self._sender.put((key, base.iteration))
+                return reply, b""
             if op == "base_state":
                 with self._lock:
                     held = list(self._bases.get(key, []))
+                if not held and self.link is not None:  # a fresh keeper: the successor's copies
+                    held = self._adopt(key)
                 rows = [
                     {"iteration": b.iteration, "optimizers": b.optimizers,
-                     "residuals": b.residuals, "record": len(b.record)}
+                     "residuals": b.residuals, "record": len(b.record), "tier": b.tier}
                     for b in held
                 ]  # fmt: skip
                 return {"bases": rows}, b"".join(b.record for b in held)
@@ -123,26 +153,114 @@ class KeptBases:
         except (ValueError, KeyError, TypeError) as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}, b""
 
-    def _put(self, key: tuple, req: dict, record: bytes) -> dict:
-        base = KeptBase(int(req["iteration"]), req["optimizers"], req["residuals"], record)
+    def copy(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
+        """A ``base_copy_*`` request of the previous node's keeper: ``put`` (one of its ranks'
+        bases, held as a copy), ``fetch`` (the copies of one rank, for its fresh keeper)."""
+        try:
+            if op == "base_copy_put":
+                base = self._unpack(req, payload, "a peer's copy")
+                return self._hold(self._copies, key, base), b""
+            if op == "base_copy_fetch":
+                with self._lock:
+                    held = list(self._copies.get(key, []))
+                    published = self._published.get(key, -1)
+                headers, chunks, offset = [], [], 0
+                for b in held:
+                    header, body = pack(b, offset)
+                    headers.append(header)
+                    chunks.append(body)
+                    offset += len(body)
+                return {"bases": headers, "published": published}, b"".join(chunks)
+            return {"error": f"unknown request {op!r}"}, b""
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}, b""
+
+    def _hold(self, table: dict[tuple, list[KeptBase]], key: tuple, base: KeptBase) -> dict:
+        """Hold ``base`` for the rank ``key`` in ``table`` (its own bases or the copies), within
+        the cap: ``{"ok": True, "held": [...]}``, or the error (``base``'s files removed)."""
         with self._lock:
-            others = {f for b in self._bases.get(key, []) for f in b.files}
+            others = {f for b in table.get(key, []) for f in b.files}
             why = _refused(base, self.folder, others)
             if why:
                 self._remove_files(base.files - others)  # never another base's
                 raise ValueError(why)
-            held = [b for b in self._bases.get(key, []) if b.iteration != base.iteration]
-            dropped = [b for b in self._bases.get(key, []) if b.iteration == base.iteration]
+            held = [b for b in table.get(key, []) if b.iteration != base.iteration]
+            dropped = [b for b in table.get(key, []) if b.iteration == base.iteration]
             kept, pruned = _prune([*held, base], self._published.get(key, -1))
             released = sum(b.nbytes for b in (*dropped, *pruned))
             room = self.state.reserve(base.nbytes, released)
             if not room[0]:
                 self._remove_files(base.files)
                 return {"error": room[1].replace("a replica", "a base")}
-            self._bases[key] = kept
+            table[key] = kept
             for b in (*dropped, *pruned):
                 self._remove_files(b.files)
         return {"ok": True, "held": [b.iteration for b in kept]}
+
+    def _send_copy(self, item: tuple[tuple, int]) -> None:
+        """The keeper's copy thread: the base ``item`` names, to the successor (unless a newer
+        one replaced it meanwhile: its files may be gone)."""
+        key, iteration = item
+        base = self.get(key, iteration)
+        if base is None:
+            return
+        try:
+            header, body = pack(base)
+        except (OSError, RuntimeError):  # dropped while read: a newer base follows
+            return
+        self.link.forward({"op": "base_copy_put", "identity": dict(key), **header}, body)
+
+    def _unpack(self, header: dict, payload: bytearray, tier: str) -> KeptBase:
+        """A packed base (:func:`pack`) as a :class:`KeptBase` in new files of this keeper's
+        folder."""
+        optimizers = copy.deepcopy(header["optimizers"])
+        residuals = copy.deepcopy(header["residuals"])
+        made: list[str] = []
+        try:
+            for spec in [*specs_of(optimizers), *residuals.values()]:
+                source = tensor_from(spec, payload)
+                with self._lock:
+                    self._files += 1
+                    name = f"peer-base-{self._files}"
+                spec.pop("offset", None)
+                spec["file"] = os.path.join(self.folder, name)
+                tensor = create_tensor(spec)
+                made.append(spec["file"])
+                tensor.copy_(source)
+        except BaseException:
+            self._remove_files(set(made))
+            raise
+        start, n = header["record"]
+        return KeptBase(int(header["iteration"]), optimizers, residuals,
+                        bytes(payload[start : start + n]), tier)  # fmt: skip
+
+    def _adopt(self, key: tuple) -> list[KeptBase]:
+        """The successor's copies of the rank ``key``'s bases, held as this keeper's own (this
+        keeper is new: its node was lost whole); none when it has none."""
+        reply = self.link.ask({"op": "base_copy_fetch", "identity": dict(key)})
+        if reply is None or not reply[0].get("bases"):
+            return []
+        tier = f"the keeper of node {self.link.successor} (a peer)"
+        with self._lock:  # what was published before this keeper started: kept as there
+            self._published[key] = max(self._published.get(key, -1), reply[0]["published"])
+        for header in reply[0]["bases"]:
+            try:
+                base = self._unpack(header, reply[1], tier)
+            except (OSError, RuntimeError, ValueError, KeyError) as exc:
+                logger.warning("keeper: the peer's copy of a base is unusable: %s", exc)
+                continue
+            held = self._hold(self._bases, key, base)
+            if held.get("ok"):
+                logger.info(
+                    "keeper: adopted the base of %s at iteration %d from %s",
+                    rank_name(key),
+                    base.iteration,
+                    tier,
+                )
+            else:
+                logger.warning("keeper: the peer's copy does not fit here: %s", held["error"])
+        with self._lock:
+            return list(self._bases.get(key, []))
 
     def get(self, key: tuple, iteration: int) -> KeptBase | None:
         """The rank ``key``'s kept base of ``iteration``, if held."""
@@ -153,26 +271,35 @@ class KeptBases:
         """The rank ``key`` trains ``iteration`` (again): a kept base at or after it is of an
         attempt that did not recover to it, never to be served."""
         with self._lock:
-            bases = self._bases.get(key, [])
-            self._replace(
-                key,
-                [b for b in bases if b.iteration < iteration],
-                [b for b in bases if b.iteration >= iteration],
-            )
+            for table in (self._bases, self._copies):
+                bases = table.get(key, [])
+                self._replace(
+                    table,
+                    key,
+                    [b for b in bases if b.iteration < iteration],
+                    [b for b in bases if b.iteration >= iteration],
+                )
 
     def published(self, key: tuple, base: int) -> None:
         """``base`` is published for the rank ``key``: drop what is older than both its newest
         kept base and the newest kept at or below ``base``."""
         with self._lock:
             self._published[key] = max(base, self._published.get(key, -1))
-            self._replace(key, *_prune(self._bases.get(key, []), self._published[key]))
+            for table in (self._bases, self._copies):
+                self._replace(table, key, *_prune(table.get(key, []), self._published[key]))
 
-    def _replace(self, key: tuple, kept: list[KeptBase], dropped: list[KeptBase]) -> None:
-        """The rank ``key`` holds ``kept``: ``dropped``'s bytes and files released. With the
-        lock held."""
+    def _replace(
+        self,
+        table: dict[tuple, list[KeptBase]],
+        key: tuple,
+        kept: list[KeptBase],
+        dropped: list[KeptBase],
+    ) -> None:
+        """The rank ``key`` holds ``kept`` in ``table``: ``dropped``'s bytes and files
+        released. With the lock held."""
         if not dropped:
             return
-        self._bases[key] = kept
+        table[key] = kept
         self.state.reserve(0, sum(b.nbytes for b in dropped))
         for b in dropped:
             self._remove_files(b.files)
@@ -180,13 +307,45 @@ class KeptBases:
     def _remove_files(self, files: set[str]) -> None:
         remove_files(files, self.folder)  # never outside the keeper's own folder
 
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.stop()
+
     def stats(self) -> list[dict[str, Any]]:
         with self._lock:
             return [
-                {**dict(key), "iteration": b.iteration, "bytes": b.nbytes}
-                for key, bases in self._bases.items()
+                {**dict(key), "iteration": b.iteration, "bytes": b.nbytes, "copy": copied}
+                for copied, table in ((False, self._bases), (True, self._copies))
+                for key, bases in table.items()
                 for b in bases
             ]
+
+
+def pack(base: KeptBase, start: int = 0) -> tuple[dict[str, Any], bytes]:
+    """``base`` as one message for another keeper: its description with each tensor at an
+    offset (from ``start``) into the bytes, then its record. Reads its files (copies)."""
+    optimizers, body = packed(
+        base.optimizers, [map_tensor(s) for s in specs_of(base.optimizers)], start
+    )
+    chunks, offset, residuals = [body], start + len(body), {}
+    for name, spec in base.residuals.items():
+        chunks.append(tensor_bytes(map_tensor(spec)))
+        residuals[name] = {**{k: v for k, v in spec.items() if k != "file"}, "offset": offset}
+        offset += len(chunks[-1])
+    chunks.append(base.record)
+    header = {
+        "iteration": base.iteration,
+        "optimizers": optimizers,
+        "residuals": residuals,
+        "record": [offset, len(base.record)],
+    }
+    return header, b"".join(chunks)
+
+
+def rank_name(key: tuple) -> str:
+    """``rank_T_P_D`` of an identity key (a rank's folder in the diff log)."""
+    who = dict(key)
+    return f"rank_{who['tp_rank']}_{who['pp_rank']}_{who['dp_rank']}"
 
 
 def _refused(base: KeptBase, folder: str, others: set[str]) -> str:

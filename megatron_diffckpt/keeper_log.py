@@ -164,7 +164,8 @@ class KeeperLogs:
                     self._drop(key, log)
                     return _failure(exc)
         if op == "log_close":
-            return self._end(key, log) or {"logged": False, "why": "the log was closed"}
+            ended = self._end(key, log)
+            return ended or {"logged": False, "why": "the keeper could not write it out"}
         return {"error": f"unknown request {op!r}"}
 
     def append(self, key: tuple, req: dict, record: bytes | bytearray) -> dict[str, Any]:
@@ -279,6 +280,7 @@ class KeeperLogs:
 
     def _drop(self, key: tuple, log: _Log) -> None:
         """``log``'s writer failed (the caller holds its lock): stop it; its rank takes over."""
+        log.closed = True
         with self._lock:
             if self._logs.get(key) is log:
                 del self._logs[key]

@@ -63,7 +63,7 @@ import torch
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptError
-from megatron_diffckpt.keeper_base import missing_file
+from megatron_diffckpt.keeper_base import missing_file, rank_name
 from megatron_diffckpt.keeper_log import open_log
 from megatron_diffckpt.replica_merger import (
     ParamSlice,
@@ -75,6 +75,7 @@ from megatron_diffckpt.replica_merger import (
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
+    create_tensor,
     describe,
     files_of,
     initial_adam_state,
@@ -434,7 +435,7 @@ class HostedReplicas:
             work(key, arg)
         except Exception as exc:  # noqa: BLE001 - the rank recovers from the base instead
             stepping = work != self._roll_from  # a replica that missed a step ends
-            logger.warning("keeper: LowDiff's replica of %s %s: %s: %s", _who(key),
+            logger.warning("keeper: LowDiff's replica of %s %s: %s: %s", rank_name(key),
                            "ends" if stepping else "not made", type(exc).__name__, exc)  # fmt: skip
             if stepping:
                 self._drop(self._replicas, key)
@@ -476,8 +477,9 @@ class HostedReplicas:
                 if previous is not None:
                     previous.lock.release()
         if refused:
-            logger.warning("keeper: no replica of %s past base %d: %s", _who(key), base.iteration,
-                           refused)  # fmt: skip
+            logger.warning(
+                "keeper: no replica of %s past base %d: %s", rank_name(key), base.iteration, refused
+            )
         elif self.link is not None:  # the next node's keeper steps a copy (replica_copy_step)
             header, body = copy_of(replica)
             self._forward({"op": "replica_copy_open", "identity": dict(key), **header}, body)
@@ -615,7 +617,7 @@ class HostedReplicas:
             source = tensor_from(spec, payload)
             spec.pop("offset", None)
             spec["file"] = os.path.join(self.folder, f"adopted-{self._files}")
-            tensor = map_tensor(spec)
+            tensor = create_tensor(spec)
             tensor.copy_(source)
             return tensor
 
@@ -634,7 +636,7 @@ class HostedReplicas:
                 return None
         logger.info(
             "keeper: adopted the replica of %s at iteration %d%s from %s",
-            _who(key),
+            rank_name(key),
             replica.merged,
             f" (holding the input of {replica.held.iteration})" if replica.held else "",
             replica.tier,
@@ -686,11 +688,6 @@ class HostedReplicas:
             ]
 
         return {"replicas": rows(self._replicas), "copies": rows(self._copies)}
-
-
-def _who(key: tuple) -> str:
-    who = dict(key)
-    return f"rank_{who['tp_rank']}_{who['pp_rank']}_{who['dp_rank']}"
 
 
 def _rng_of(record: DiffRecord) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.background import die_with_parent, lower_priority
-from megatron_diffckpt.keeper_replica import _who
+from megatron_diffckpt.keeper_base import rank_name
 from megatron_diffckpt.shared_replica import SharedArena, remove_files, tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -423,7 +423,7 @@ class KeeperWrites:
             except (EOFError, OSError) as exc:
                 done, result = False, f"the keeper's writer process ended ({exc!r})"
             if not done:
-                logger.warning("keeper: a write request of %s failed: %s", _who(key), result)
+                logger.warning("keeper: a write request of %s failed: %s", rank_name(key), result)
                 return {"error": result}, b""
             self._done[key] = {
                 "writes": self._done.get(key, {}).get("writes", 0) + 1,

@@ -305,9 +305,10 @@ class DiffCheckpointManager:
         restore_rng([record], self.rng_tracker)
         load_s = time.perf_counter() - start
         logger.info(
-            "recovery: base of iteration %d from the node's keeper in %.3f s (storage's newest "
-            "base: %d, not read)",
+            "recovery: base of iteration %d from %s in %.3f s (storage's newest base: %d, not "
+            "read)",
             base,
+            row.get("tier", "the node's keeper"),
             load_s,
             storage_base,
         )

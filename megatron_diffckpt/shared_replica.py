@@ -47,6 +47,29 @@ def map_tensor(spec: dict[str, Any]) -> torch.Tensor:
     return torch.from_file(spec["file"], shared=True, size=numel, dtype=dtype).view(shape)
 
 
+def create_tensor(spec: dict[str, Any]) -> torch.Tensor:
+    """A new file for the tensor a ``{"file", "shape", "dtype"}`` spec names, its bytes
+    allocated before it is mapped, and the mapping (zeros). Pages of a sparse file mapped shared
+    on a full filesystem fault (SIGBUS) when first written; allocated up front, a full folder
+    raises :class:`OSError` here instead, naming the folder and the bytes. An existing file is
+    never reused."""
+    nbytes = tensor_nbytes(spec)
+    fd = os.open(spec["file"], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        os.remove(spec["file"])
+        raise OSError(
+            exc.errno,
+            f"no room for {nbytes / 2**20:.1f} MiB in {os.path.dirname(spec['file'])} "
+            f"({exc.strerror}; a container needs a larger --shm-size)",
+        ) from exc
+    os.close(fd)
+    return map_tensor(spec)
+
+
 class SharedArena:
     """Tensors this rank creates in files of the keeper's shared-memory folder.
 
@@ -68,7 +91,7 @@ class SharedArena:
             "shape": list(shape),
             "dtype": str(dtype).removeprefix("torch."),
         }
-        tensor = map_tensor(spec)
+        tensor = create_tensor(spec)
         self.specs[id(tensor)] = spec
         return tensor
 

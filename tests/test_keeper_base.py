@@ -7,6 +7,7 @@ saves), ending ``torch.equal`` to an uninterrupted run."""
 from __future__ import annotations
 
 import io
+import os
 import re
 import signal
 import threading
@@ -17,7 +18,7 @@ import psutil
 import pytest
 import torch
 from launch import assert_same_state, load_dumps, run_cli
-from test_keeper import ME, TwoNodes, _ranks_of, record, start_keeper
+from test_keeper import ME, TwoNodes, _ranks_of, _wait_for, record, start_keeper
 from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
 
 from megatron_diffckpt import keeper_base
@@ -103,6 +104,83 @@ def test_a_staged_base_is_served_bit_for_bit_and_dropped_once_a_newer_one_is_pub
         _assert_same_optimizer(train, again)
         held = query(sock)
         assert held["reserved"] == sum(b["bytes"] for b in held["bases"]) > 0
+    finally:
+        stop(sock)
+        proc.wait(30)
+
+
+def test_a_base_goes_to_the_next_nodes_keeper_and_a_fresh_keeper_adopts_it(tmp_path):
+    """Two keepers in a ring on loopback: node 1's rank stages bases 5 and 10 (5 published),
+    each copied to node 0's keeper; node 1's keeper is SIGKILLed; a fresh one, asked for the
+    rank's bases, adopts node 0's copies and serves them bit for bit (optimizer shard,
+    residuals, counters) as its own; a base published through it prunes the copy."""
+    peers = str(tmp_path / "peers")
+    ring = ["--peers", peers, "--nnodes", "2", "--host", "127.0.0.1"]
+    a_sock, b_sock = str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    a = start_keeper(a_sock, *ring, "--node", "0")
+    b = start_keeper(b_sock, *ring, "--node", "1")
+    try:
+        rank = KeeperClient(b_sock, ME)
+        train, residuals = _trained(), _residuals()
+        assert keeper_base.stage_base(rank, [train], residuals, _record(5)) == ""
+        rank.published(5)
+        for p in train.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        train.step()
+        assert keeper_base.stage_base(rank, [train], residuals, _record(10)) == ""
+
+        def copies() -> list[int]:
+            return sorted(r["iteration"] for r in query(a_sock)["bases"] if r["copy"])
+
+        _wait_for(lambda: copies() == [5, 10], "node 1's bases at node 0")
+        shown = run_cli("inspect", str(tmp_path), "--keeper", a_sock).stdout
+        assert "rank_0_0_1: copy of the previous node's LowDiff base of iteration 10" in shown
+        b.send_signal(signal.SIGKILL)
+        b.wait(30)
+        fresh = start_keeper(str(tmp_path / "b2.sock"), *ring, "--node", "1")
+        try:
+            restarted = KeeperClient(str(tmp_path / "b2.sock"), ME)
+            offered = keeper_base.offered_bases(restarted)
+            assert sorted(offered.bases) == [5, 10]
+            row, counters = offered.bases[10]
+            assert row["tier"] == "the keeper of node 0 (a peer)"
+            assert counters.scalars["consumed_samples"] == 80
+            into, again = ErrorFeedbackResiduals(), _trained(seed=1)
+            keeper_base.load_kept_base(row, [again], into)
+            _assert_same_optimizer(train, again)
+            assert torch.equal(into.tensors()["bucket0"], residuals.tensors()["bucket0"])
+            held = query(str(tmp_path / "b2.sock"))["bases"]
+            assert sorted(r["iteration"] for r in held if not r["copy"]) == [5, 10]
+            restarted.published(10)  # travels the ring: node 0 drops its copy of 5
+            _wait_for(lambda: copies() == [10], "the published base at the copy")
+        finally:
+            stop(str(tmp_path / "b2.sock"))
+            fresh.wait(30)
+    finally:
+        stop(a_sock)
+        a.wait(30)
+        if b.poll() is None:
+            b.kill()
+
+
+def test_a_full_shared_memory_folder_refuses_a_base_instead_of_faulting(tmp_path, tmpfs):
+    """Files mapped shared on a full filesystem fault (SIGBUS) when written: their bytes are
+    allocated first, so a full folder raises, in one line naming the room asked for, and a
+    base that does not fit is refused with the rank training on."""
+    shm = tmpfs("shm", "256k")
+    arena = SharedArena(str(shm))
+    small = arena.empty((1000,), torch.float32)
+    with pytest.raises(OSError, match=r"no room for 1\.0 MiB in .*--shm-size"):
+        arena.empty((1 << 18,), torch.float32)
+    assert [f.name for f in shm.iterdir()] == [os.path.basename(arena.spec(small)["file"])]
+    sock = str(tmp_path / "keeper.sock")
+    proc = start_keeper(sock, "--shm-dir", str(shm))
+    try:
+        rank = KeeperClient(sock, ME)
+        why = keeper_base.stage_base(rank, [_trained(n=100_000)], None, _record(5))
+        assert "no room for" in why, why
+        assert keeper_base.offered_bases(rank).bases == {}
+        assert rank.stats()["records"] == 0 and rank.lost is None  # the keeper serves on
     finally:
         stop(sock)
         proc.wait(30)
@@ -392,3 +470,47 @@ def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_
     assert int(got[1]) >= 12 and int(got[1]) - int(adopted[0][1]) in (0, 1), (got[0], adopted)
     assert "replayed 0 differential(s)" in text and "loaded checkpoint from" not in text
     _assert_ends_as_straight(tmp_path, int(got[1]))
+
+
+@pytest.mark.distributed
+def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_path):
+    """One machine as two nodes (keepers in a ring), LowDiff with kept bases every 5 (no
+    replica): each keeper sends its ranks' bases and differentials to the next node's keeper.
+    After iteration 12 node 1 is lost whole (its rank stopped first, then launcher, keeper,
+    agent and rank SIGKILLed once node 0's keeper holds its copy of base 10) and started again
+    with a fresh keeper, which adopts node 0's copy of its rank's base: both ranks recover from
+    the keepers' base 10 (no base read from storage), replay the differentials after it (node
+    1's from node 0's copy), and the run ends equal to an uninterrupted one."""
+    common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
+    ckpt = tmp_path / "ckpt"
+    diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
+    diff += ["--diffckpt-full-interval", "5", "--dump-state", str(tmp_path / "resumed")]
+    with TwoNodes(tmp_path, [*common, *diff]) as job:
+        job.logged(12)
+        for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
+            rank.send_signal(signal.SIGSTOP)
+
+        def copied() -> list[int]:
+            return [b["iteration"] for b in query(job.keeper_socket(0))["bases"] if b["copy"]]
+
+        _wait_for(lambda: 10 in copied(), "node 1's base 10 at node 0")
+        job.restart_node(1)
+        job.wait()
+        text = job.text()
+    adopted = re.findall(
+        r"keeper: adopted the base of (rank_\S+) at iteration (\d+) from the keeper of node 0 "
+        r"\(a peer\)",
+        text,
+    )
+    assert [a[1] for a in adopted] == ["10"], text[-4000:]
+    got = re.search(
+        r"\[rank0\] \S+ recovery: base of iteration 10 from (.*?) in [\d.]+ s \(storage's "
+        r"newest base: (\d+), not read\)",
+        text,
+    )
+    assert got is not None, text[-4000:]
+    assert got[1] in ("the node's keeper", "the keeper of node 0 (a peer)"), got[0]
+    assert "loaded checkpoint from" not in text  # no rank read a base from storage
+    recovered = int(re.search(r"recovered to iteration (\d+)", text)[1])
+    assert recovered >= 12
+    _assert_ends_as_straight(tmp_path, recovered)

@@ -14,7 +14,8 @@ thread are raised by the next call from the training loop, never swallowed.
 With the node's keeper (:class:`~megatron_diffckpt.keeper.KeeperClient`), every record is first
 handed to it, in the caller's thread: once :meth:`DiffLogWriter.append` returns, the keeper holds
 the record in memory that outlives this rank (:attr:`DiffLogWriter.kept_iteration`), whatever
-storage has made durable yet.
+storage has made durable yet. (With ``--diffckpt-keeper-writes-log`` the keeper writes the
+segments too: :class:`~megatron_diffckpt.keeper_log.KeeperLogWriter`.)
 
 Any rank, no collectives: each rank writes only its own folder.
 """
