@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -439,21 +440,11 @@ def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_
     and started again with a fresh keeper, which adopts node 0's copy of its rank's replica:
     both ranks recover the same iteration from replicas (nothing replayed, no base read), and
     the run ends equal to an uninterrupted one."""
-    common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
-    ckpt = tmp_path / "ckpt"
-    diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
-    diff += ["--diffckpt-full-interval", "5", "--diffckpt-keeper-replica"]
-    diff += ["--dump-state", str(tmp_path / "resumed")]
-    with TwoNodes(tmp_path, [*common, *diff]) as job:
-        job.logged(12)
-        for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
-            rank.send_signal(signal.SIGSTOP)
-        time.sleep(1.0)
-        copies = query(job.keeper_socket(0))["copies"]
-        assert len(copies) == 1 and copies[0]["system"] == "LowDiff", copies
-        job.restart_node(1)
-        job.wait()
-        text = job.text()
+    text = _node_1_lost_whole(
+        tmp_path,
+        ["--diffckpt-keeper-replica"],
+        lambda held: [c["system"] for c in held["copies"]] == ["LowDiff"],
+    )
     adopted = re.findall(
         r"keeper: adopted the replica of (rank_\S+) at iteration (\d+).* from the keeper of "
         r"node 0 \(a peer\)",
@@ -481,22 +472,9 @@ def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_pat
     with a fresh keeper, which adopts node 0's copy of its rank's base: both ranks recover from
     the keepers' base 10 (no base read from storage), replay the differentials after it (node
     1's from node 0's copy), and the run ends equal to an uninterrupted one."""
-    common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
-    ckpt = tmp_path / "ckpt"
-    diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
-    diff += ["--diffckpt-full-interval", "5", "--dump-state", str(tmp_path / "resumed")]
-    with TwoNodes(tmp_path, [*common, *diff]) as job:
-        job.logged(12)
-        for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
-            rank.send_signal(signal.SIGSTOP)
-
-        def copied() -> list[int]:
-            return [b["iteration"] for b in query(job.keeper_socket(0))["bases"] if b["copy"]]
-
-        _wait_for(lambda: 10 in copied(), "node 1's base 10 at node 0")
-        job.restart_node(1)
-        job.wait()
-        text = job.text()
+    text = _node_1_lost_whole(
+        tmp_path, [], lambda held: any(b["copy"] and b["iteration"] == 10 for b in held["bases"])
+    )
     adopted = re.findall(
         r"keeper: adopted the base of (rank_\S+) at iteration (\d+) from the keeper of node 0 "
         r"\(a peer\)",
@@ -514,3 +492,24 @@ def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_pat
     recovered = int(re.search(r"recovered to iteration (\d+)", text)[1])
     assert recovered >= 12
     _assert_ends_as_straight(tmp_path, recovered)
+
+
+def _node_1_lost_whole(tmp_path: Path, flags: list[str], copied: Callable[[dict], bool]) -> str:
+    """LowDiff on one machine as two nodes (keepers in a ring), bases every 5, with ``flags``:
+    after iteration 12 node 1's rank is stopped (its keeper's last copies go out), and once
+    node 0's keeper holds what ``copied`` (of its stats) asks, node 1 is lost whole
+    (launcher, keeper, agent, rank SIGKILLed) and started again with a fresh keeper; the log
+    of the job, which ran to its end."""
+    common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
+    ckpt = tmp_path / "ckpt"
+    diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
+    diff += ["--diffckpt-full-interval", "5", "--dump-state", str(tmp_path / "resumed"), *flags]
+    with TwoNodes(tmp_path, [*common, *diff]) as job:
+        job.logged(12)
+        for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
+            rank.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        _wait_for(lambda: copied(query(job.keeper_socket(0))), "node 1's copies at node 0")
+        job.restart_node(1)
+        job.wait()
+        return job.text()
