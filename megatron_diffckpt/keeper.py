@@ -37,7 +37,8 @@ keeper is a second copy, in memory, that a restart reads first. (With
   requests from the previous node's keeper (each with this keeper's token), and every record
   and published base is copied to the next node's; a ``chain`` this keeper cannot serve (it was
   lost with its node, and started again) is asked of the next node's
-  (:mod:`~megatron_diffckpt.keeper_peers`); so is a LowDiff+ replica (``replica_copy_*``).
+  (:mod:`~megatron_diffckpt.keeper_peers`); so is a LowDiff+ replica (``replica_copy_*``) and
+  a LowDiff kept base (``base_copy_*``).
 
 Which processes call: the launcher starts and stops it; any rank's thread calls its own
 :class:`KeeperClient` (one connection per client, calls serialised on it).

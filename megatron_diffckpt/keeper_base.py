@@ -53,6 +53,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,6 @@ class KeptBases:
         """The previous node's ranks' bases."""
         self._published: dict[tuple, int] = {}
         self._lock = threading.Lock()
-        self._files = 0
         self._sender = (
             BackgroundWorker("keeper-base-copy", self._send_copy) if link is not None else None
         )
@@ -219,11 +219,8 @@ class KeptBases:
         try:
             for spec in [*specs_of(optimizers), *residuals.values()]:
                 source = tensor_from(spec, payload)
-                with self._lock:
-                    self._files += 1
-                    name = f"peer-base-{self._files}"
                 spec.pop("offset", None)
-                spec["file"] = os.path.join(self.folder, name)
+                spec["file"] = os.path.join(self.folder, f"peer-base-{uuid.uuid4().hex}")
                 tensor = create_tensor(spec)
                 made.append(spec["file"])
                 tensor.copy_(source)

@@ -54,6 +54,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -321,7 +322,6 @@ class HostedReplicas:
         self._replicas: dict[tuple, HostedReplica] = {}
         self._copies: dict[tuple, HostedReplica] = {}
         self._lock = threading.RLock()  # a refused copy is dropped while it is held
-        self._files = 0
         self._logs: dict[tuple, ReplicaLog] = {}
         """The diff logs this keeper writes, by rank: a log outlives the replica objects of its
         chain (a rank's restart from this keeper's replica continues it)."""
@@ -613,10 +613,9 @@ class HostedReplicas:
         header, payload = reply[0]["copy"], reply[1]
 
         def into_file(spec: dict) -> torch.Tensor:
-            self._files += 1
             source = tensor_from(spec, payload)
             spec.pop("offset", None)
-            spec["file"] = os.path.join(self.folder, f"adopted-{self._files}")
+            spec["file"] = os.path.join(self.folder, f"adopted-{uuid.uuid4().hex}")
             tensor = create_tensor(spec)
             tensor.copy_(source)
             return tensor

@@ -52,11 +52,11 @@ def create_tensor(spec: dict[str, Any]) -> torch.Tensor:
     allocated before it is mapped, and the mapping (zeros). Pages of a sparse file mapped shared
     on a full filesystem fault (SIGBUS) when first written; allocated up front, a full folder
     raises :class:`OSError` here instead, naming the folder and the bytes. An existing file is
-    never reused."""
+    never reused (:class:`FileExistsError`)."""
     nbytes = tensor_nbytes(spec)
     fd = os.open(spec["file"], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if nbytes:
+        if nbytes and hasattr(os, "posix_fallocate"):  # Linux; elsewhere mapped sparse
             os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         os.close(fd)
@@ -86,12 +86,14 @@ class SharedArena:
         self.specs: dict[int, dict[str, Any]] = {}  # id(tensor) -> its spec
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        spec = {
-            "file": os.path.join(self.folder, f"{os.getpid()}-{next(self._count)}"),
-            "shape": list(shape),
-            "dtype": str(dtype).removeprefix("torch."),
-        }
-        tensor = create_tensor(spec)
+        spec = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+        while True:  # a file left by a killed process of the same id is never taken over
+            spec["file"] = os.path.join(self.folder, f"{os.getpid()}-{next(self._count)}")
+            try:
+                tensor = create_tensor(spec)
+                break
+            except FileExistsError:
+                continue
         self.specs[id(tensor)] = spec
         return tensor
 
