@@ -311,6 +311,7 @@ class KeeperLogWriter(DiffLogWriter):
         self._held: deque[DiffRecord] = deque()  # handed over, not yet durable in storage
         self._bound = (self.max_pending + 2) * batch_size
         self._keeper_backlog = 0
+        self._skipped_at: int | None = None  # durable when the keeper's skipping was said
         spec = {
             "root": os.path.abspath(root),
             "compressor": compressor,
@@ -384,10 +385,23 @@ class KeeperLogWriter(DiffLogWriter):
             self._held.popleft()
         self._keeper_backlog = int(reply["backlog"])
         blocked = reply["stats"]["blocked_seconds"] - self.stats.blocked_seconds
+        skipped = reply["stats"]["skipped_records"] - self.stats.skipped_records
         self.stats = WriterStats(**reply["stats"])
         if blocked >= self.SLOW_AFTER_S and not self._slow_warned:
             self._slow_warned = True
             self._warn_slow(blocked, self.batch_size)
+        if self._skipped_at is not None and durable > self._skipped_at:
+            self._skipped_at = None  # storage took records again: a new incident is said anew
+        if skipped > 0 and self._skipped_at is None:  # when-full skip: said here too, once
+            self._skipped_at = durable
+            logger.warning(
+                "diff log %s: the node's keeper could not write %d record(s) (storage full or "
+                "behind, --diffckpt-when-full skip; see the keeper's log); durability stays at "
+                "iteration %d until storage takes records again and the next base",
+                self.identity.dirname(),
+                skipped,
+                durable,
+            )
 
     def _take_over(self, reply: dict[str, Any] | None, upcoming: int) -> None:
         """The keeper does not write this log any more: storage full and a newer incarnation

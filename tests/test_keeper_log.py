@@ -177,3 +177,21 @@ def test_a_full_filesystem_stops_the_rank_as_its_own_writer_would(keeper, tmp_pa
             time.sleep(0.01)
         writer.flush()
     assert writer.durable_iteration >= 1
+
+
+def test_records_the_keeper_skips_are_said_in_the_ranks_log(keeper, tmp_path, tmpfs, caplog):
+    """``--diffckpt-when-full skip`` with the keeper writing: the batches a full filesystem
+    refuses are dropped by the keeper's writer, training goes on, and the rank's log says so
+    with the durable iteration that stays."""
+    sock, _ = keeper
+    root = tmpfs("full", "256k")
+    writer = _writer(root, KeeperClient(sock, ME), 1, when_full="skip")
+    with caplog.at_level(logging.WARNING, logger="megatron_diffckpt"):
+        for i in range(1, 20):
+            writer.append(record(i, n=1 << 14))  # 64 KiB each
+        writer.flush()
+    said = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(said) == 1 and "durability stays at iteration" in said[0], said  # once
+    assert writer.in_keeper and writer.stats.skipped_records > 0
+    assert writer.durable_iteration < 19
+    writer.close()
