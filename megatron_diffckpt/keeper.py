@@ -47,6 +47,7 @@ Which processes call: the launcher starts and stops it; any rank's thread calls 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -63,7 +64,10 @@ from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any
 
+import psutil
+
 from megatron_diffckpt.background import lower_priority
+from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.storage.format import (
     DiffLogFormatError,
     DiffRecord,
@@ -381,6 +385,62 @@ def shared_memory_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+SHM_PREFIX = "diffckpt-keeper-"
+"""How a keeper's shared-memory folder is named (the launcher's and the default alike)."""
+OWNER = ".owner"
+"""Beside a keeper's shared-memory folder, its name with this suffix: the keeper's process id
+and start time."""
+
+
+def _process_tag(pid: int) -> str | None:
+    """``pid`` and its start time (a reused process id reads as another process); ``None``:
+    no such process."""
+    try:
+        return f"{pid} {psutil.Process(pid).create_time():.3f}"
+    except psutil.Error:
+        return None
+
+
+def claim_shm(folder: str) -> None:
+    """Mark ``folder`` as this keeper's (:data:`OWNER`)."""
+    tag = _process_tag(os.getpid())
+    publish_file(folder.rstrip("/") + OWNER, lambda f: f.write(tag.encode()))
+
+
+def remove_shm(folder: str) -> None:
+    """Remove a keeper's shared-memory folder and its owner file."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(folder.rstrip("/") + OWNER)
+
+
+def sweep_stale_shm(root: str, keep: str) -> list[str]:
+    """Remove the shared-memory folders in ``root`` that keepers of this user left when they
+    died without removing them (SIGKILL, a node lost with its launcher): memory nobody frees
+    otherwise until the host reboots. A folder is stale when its :data:`OWNER` names a process
+    that no longer runs; one without an owner file, another user's, or ``keep`` (this keeper's)
+    is left alone. The folders removed."""
+    removed = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not (name.startswith(SHM_PREFIX) and name.endswith(OWNER)):
+            continue
+        folder = os.path.join(root, name.removesuffix(OWNER))
+        if os.path.abspath(folder) == os.path.abspath(keep):
+            continue
+        try:
+            if os.stat(os.path.join(root, name)).st_uid != os.getuid():
+                continue
+            with open(os.path.join(root, name)) as f:
+                tag = f.read().strip()
+            pid = int(tag.split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        if _process_tag(pid) != tag:
+            remove_shm(folder)
+            removed.append(folder)
+    return removed
+
+
 def serve(
     path: str,
     memory: int,
@@ -423,8 +483,11 @@ def serve(
     local = _Server(path, state, link)
     os.chmod(path, 0o600)
     if shm is None:
-        shm = tempfile.mkdtemp(prefix="diffckpt-keeper-", dir=shared_memory_root())
+        shm = tempfile.mkdtemp(prefix=SHM_PREFIX, dir=shared_memory_root())
     os.makedirs(shm, mode=0o700, exist_ok=True)
+    claim_shm(shm)
+    for stale in sweep_stale_shm(os.path.dirname(os.path.abspath(shm)), shm):
+        logger.info("keeper: removed %s, left by a keeper that died", stale)
     local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
     local.bases = KeptBases(state, os.path.abspath(shm), link)
     local.writes = KeeperWrites(os.path.abspath(shm))
@@ -458,7 +521,7 @@ def serve(
             link.close()
         if os.path.exists(path):
             os.remove(path)
-        shutil.rmtree(shm, ignore_errors=True)
+        remove_shm(shm)
     return state
 
 

@@ -33,7 +33,7 @@ from launch import (
 
 from megatron_diffckpt import recovery
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import KeeperClient, KeeperState, _recv, _send, query, stop
+from megatron_diffckpt.keeper import OWNER, KeeperClient, KeeperState, _recv, _send, query, stop
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
 
@@ -110,6 +110,36 @@ def keeper(tmp_path):
     except OSError:
         pass  # the test stopped it
     proc.wait(30)
+
+
+def test_a_keeper_removes_the_shared_memory_folders_of_keepers_that_died(tmp_path):
+    """A keeper SIGKILLed (with its launcher: a node lost whole) leaves its shared-memory folder
+    behind; the next keeper started beside it removes it, and only it: not a live keeper's, not
+    one without an owner, not another name."""
+    dead = start_keeper(
+        str(tmp_path / "dead.sock"), "--shm-dir", str(tmp_path / "diffckpt-keeper-a")
+    )
+    (tmp_path / "diffckpt-keeper-a" / "replica").write_bytes(b"x" * 4096)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait(30)
+    alive = start_keeper(
+        str(tmp_path / "alive.sock"), "--shm-dir", str(tmp_path / "diffckpt-keeper-b")
+    )
+    (tmp_path / "diffckpt-keeper-c").mkdir()  # no owner: left alone
+    (tmp_path / "other").mkdir()
+    (tmp_path / f"other{OWNER}").write_text("1 0.0")  # not a keeper's name: left alone
+    fresh = start_keeper(
+        str(tmp_path / "fresh.sock"), "--shm-dir", str(tmp_path / "diffckpt-keeper-d")
+    )
+    try:
+        names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+        assert names == ["diffckpt-keeper-b", "diffckpt-keeper-c", "diffckpt-keeper-d", "other"]
+        assert (tmp_path / f"diffckpt-keeper-d{OWNER}").read_text().split()[0] == str(fresh.pid)
+        assert not (tmp_path / f"diffckpt-keeper-a{OWNER}").exists()
+    finally:
+        for sock, proc in (("alive.sock", alive), ("fresh.sock", fresh)):
+            stop(str(tmp_path / sock))
+            proc.wait(30)
 
 
 def test_an_unknown_request_is_answered_and_the_connection_serves_on(keeper):

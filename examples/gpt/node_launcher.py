@@ -125,8 +125,10 @@ def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
         keeper.wait(timeout=30)
     except (OSError, ConnectionError, subprocess.TimeoutExpired):
         keeper.kill()
+    from megatron_diffckpt.keeper import remove_shm
+
     shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
-    shutil.rmtree(shm_dir(sock), ignore_errors=True)
+    remove_shm(shm_dir(sock))
 
 
 def main(argv: list[str]) -> int:
