@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "DIFFCKPT_KEEPER"
 """The keeper's socket path, set by the node launcher for the ranks it starts."""
-_FRAME = struct.Struct("<II")  # JSON length, payload length
+_FRAME = struct.Struct("<IQ")  # JSON length, payload length (a replica or base: past 4 GiB)
 _MAX_JSON = 1 << 20
 
 

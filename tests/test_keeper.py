@@ -33,7 +33,16 @@ from launch import (
 
 from megatron_diffckpt import recovery
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import OWNER, KeeperClient, KeeperState, _recv, _send, query, stop
+from megatron_diffckpt.keeper import (
+    _FRAME,
+    OWNER,
+    KeeperClient,
+    KeeperState,
+    _recv,
+    _send,
+    query,
+    stop,
+)
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
 
@@ -140,6 +149,13 @@ def test_a_keeper_removes_the_shared_memory_folders_of_keepers_that_died(tmp_pat
         for sock, proc in (("alive.sock", alive), ("fresh.sock", fresh)):
             stop(str(tmp_path / sock))
             proc.wait(30)
+
+
+def test_a_message_frames_a_payload_past_4_gib():
+    """A replica or base of a large model's shard (12 bytes per parameter) goes to a peer in one
+    message: its frame counts the payload in 64 bits."""
+    n, p = _FRAME.unpack(_FRAME.pack(123, 5 << 30))
+    assert (n, p) == (123, 5 << 30)
 
 
 def test_an_unknown_request_is_answered_and_the_connection_serves_on(keeper):
