@@ -65,7 +65,6 @@ from megatron_diffckpt.replica_merger import _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
-    create_tensor,
     describe,
     files_of,
     map_tensor,
@@ -74,8 +73,8 @@ from megatron_diffckpt.shared_replica import (
     remove_files,
     specs_of,
     tensor_bytes,
-    tensor_from,
     tensor_nbytes,
+    unpack_into_file,
 )
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
 
@@ -218,12 +217,9 @@ class KeptBases:
         made: list[str] = []
         try:
             for spec in [*specs_of(optimizers), *residuals.values()]:
-                source = tensor_from(spec, payload)
-                spec.pop("offset", None)
-                spec["file"] = os.path.join(self.folder, f"peer-base-{uuid.uuid4().hex}")
-                tensor = create_tensor(spec)
-                made.append(spec["file"])
-                tensor.copy_(source)
+                path = os.path.join(self.folder, f"peer-base-{uuid.uuid4().hex}")
+                made.append(path)  # removed below if anything fails (missing files are fine)
+                unpack_into_file(spec, payload, path)
         except BaseException:
             self._remove_files(set(made))
             raise

@@ -76,7 +76,6 @@ from megatron_diffckpt.replica_merger import (
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
-    create_tensor,
     describe,
     files_of,
     initial_adam_state,
@@ -87,6 +86,7 @@ from megatron_diffckpt.shared_replica import (
     tensor_bytes,
     tensor_from,
     tensors_of,
+    unpack_into_file,
 )
 from megatron_diffckpt.storage.format import (
     DiffRecord,
@@ -613,12 +613,8 @@ class HostedReplicas:
         header, payload = reply[0]["copy"], reply[1]
 
         def into_file(spec: dict) -> torch.Tensor:
-            source = tensor_from(spec, payload)
-            spec.pop("offset", None)
-            spec["file"] = os.path.join(self.folder, f"adopted-{uuid.uuid4().hex}")
-            tensor = create_tensor(spec)
-            tensor.copy_(source)
-            return tensor
+            path = os.path.join(self.folder, f"adopted-{uuid.uuid4().hex}")
+            return unpack_into_file(spec, payload, path)
 
         with self._lock:
             replica = HostedReplica(header, _slice(payload, header["record"]), None, into_file)

@@ -70,6 +70,18 @@ def create_tensor(spec: dict[str, Any]) -> torch.Tensor:
     return map_tensor(spec)
 
 
+def unpack_into_file(spec: dict[str, Any], payload: bytearray | bytes, path: str) -> torch.Tensor:
+    """The inverse of :func:`packed` for one tensor: ``spec``'s bytes at its ``"offset"`` in
+    ``payload`` copied into a new file ``path`` (:func:`create_tensor`); ``spec`` names the file
+    from then on."""
+    source = tensor_from(spec, payload)
+    spec.pop("offset", None)
+    spec["file"] = path
+    tensor = create_tensor(spec)
+    tensor.copy_(source)
+    return tensor
+
+
 class SharedArena:
     """Tensors this rank creates in files of the keeper's shared-memory folder.
 
