@@ -23,7 +23,7 @@ keeper is a second copy, in memory, that a restart reads first. (With
   takes its start from storage); one larger than the whole cap is not held (storage only, and
   the rank says so once).
 - **Protocol.** A Unix stream socket in a folder only its user can enter; each message is a
-  header (``<II``: JSON length, payload length), the JSON, the payload. Requests: ``put``
+  frame, a JSON header and a payload (:mod:`~megatron_diffckpt.keeper_wire`). Requests: ``put``
   (identity, iteration; payload: the record), ``published`` (identity, base iteration: drop the
   records up to it), ``chain`` (identity, after: the consecutive records from ``after + 1``;
   payload: the records end to end), ``stats``, ``stop``; ``replica_*``: LowDiff+'s replica
@@ -49,13 +49,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
 import os
 import shutil
 import socket
 import socketserver
-import struct
 import sys
 import tempfile
 import threading
@@ -68,6 +66,15 @@ import psutil
 
 from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.keeper_wire import (
+    Parts,
+    Received,
+    receive,
+    recv,
+    recv_exact,
+    recv_header,
+    send,
+)
 from megatron_diffckpt.storage.format import (
     DiffLogFormatError,
     DiffRecord,
@@ -80,33 +87,6 @@ logger = logging.getLogger(__name__)
 
 ENV = "DIFFCKPT_KEEPER"
 """The keeper's socket path, set by the node launcher for the ranks it starts."""
-_FRAME = struct.Struct("<IQ")  # JSON length, payload length (a replica or base: past 4 GiB)
-_MAX_JSON = 1 << 20
-
-
-def _send(sock: socket.socket, header: dict, payload: bytes | memoryview = b"") -> None:
-    doc = json.dumps(header).encode()
-    sock.sendall(_FRAME.pack(len(doc), len(payload)) + doc)
-    if payload:
-        sock.sendall(payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise ConnectionError(f"the keeper's peer closed the connection ({got} of {n} bytes)")
-        got += k
-    return buf
-
-
-def _recv(sock: socket.socket) -> tuple[dict, bytearray]:
-    n, p = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
-    if n > _MAX_JSON:
-        raise ConnectionError(f"keeper message header of {n} bytes exceeds {_MAX_JSON}")
-    return json.loads(_recv_exact(sock, n)), _recv_exact(sock, p)
 
 
 def _key(identity: dict) -> tuple:
@@ -217,6 +197,21 @@ class KeeperState:
             }
 
 
+STREAMED = frozenset({"base_copy_put", "replica_copy_open"})
+"""Peer requests whose tensors are written into the keeper's shared-memory folder as they
+arrive (:func:`~megatron_diffckpt.keeper_wire.receive`)."""
+
+
+def _answer(sock: socket.socket, header: dict, payload: bytes | Parts = b"") -> None:
+    """Send a reply; a :class:`~megatron_diffckpt.keeper_wire.Parts`'s files are removed
+    after it, sent or not."""
+    try:
+        send(sock, header, payload)
+    finally:
+        if isinstance(payload, Parts):
+            payload.release()
+
+
 class _Handler(socketserver.BaseRequestHandler):
     """One connection: a rank's (Unix socket) or a peer keeper's (TCP, every request carrying
     this keeper's token; what a peer hands over is held, never forwarded again)."""
@@ -225,77 +220,92 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         server = self.server
-        state, link, from_peer = server.state, server.link, server.for_peers
+        link, from_peer = server.link, server.for_peers
         with server.lock:
             server.connections.add(self.request)
-        niced = False
+        self.niced = False
         while True:
             try:
-                req, payload = _recv(self.request)
+                req, n = recv_header(self.request)
+                op = req.get("op")
+                if from_peer and (link is None or req.get("token") != link.token):
+                    send(self.request, {"error": "a peer request without this keeper's token"})
+                    return
+                if from_peer and op in STREAMED:  # a copy's tensors: into shared-memory files
+                    payload: bytearray | Received = receive(self.request, n, req, server.folder)
+                else:
+                    payload = recv_exact(self.request, n)
             except (ConnectionError, OSError, ValueError):
                 return  # the rank went away (or died): what it put stays
-            op = req.get("op")
-            if from_peer and (link is None or req.get("token") != link.token):
-                _send(self.request, {"error": "a peer request without this keeper's token"})
-                return
-            if op == "put" and server.stopping:
-                _send(self.request, {"held": False, "why": "the keeper is stopping"})
-            elif op == "put":
-                held, why = state.put(req["identity"], int(req["iteration"]), payload)
-                if held and server.bases is not None:
-                    server.bases.drop_from(_key(req["identity"]), int(req["iteration"]))
-                logged = {}  # the rank's diff log, when this keeper writes it (keeper_log)
-                if "log" in req and not from_peer:
-                    logged = server.logs.append(_key(req["identity"]), req, payload)
-                _send(self.request, {"held": held, "why": why, **logged})
-                if held and link is not None and not from_peer:
-                    link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)
-                if held and not from_peer:  # LowDiff's replica, off the rank's training path
-                    server.replicas.roll(_key(req["identity"]), payload)
-            elif op == "published":
-                state.published(req["identity"], int(req["iteration"]))
-                if server.bases is not None:
-                    server.bases.published(_key(req["identity"]), int(req["iteration"]))
-                if not from_peer:
-                    server.replicas.published(_key(req["identity"]), int(req["iteration"]))
-                    server.logs.rebase(_key(req["identity"]), int(req["iteration"]))
-                _send(self.request, {"ok": True})
-                if link is not None and not from_peer:
-                    link.forward({k: req[k] for k in ("op", "identity", "iteration")})
-            elif op == "chain":
-                self._chain(req, state, link, from_peer)
-            elif op.startswith("replica_") and op.startswith("replica_copy_") == from_peer:
-                if not niced:  # a rank's merges: after training, as the in-process merger's
-                    niced = lower_priority()
-                reply = server.replicas.handle(op, _key(req["identity"]), req, payload)
-                _send(self.request, *reply)
-            elif op == "write_files" and not from_peer:  # in a writer process, niced
-                reply = server.writes.handle(_key(req["identity"]), req, payload)
-                try:
-                    _send(self.request, *reply)
-                except OSError:
-                    return  # the rank died while its files were written: no finalize follows
-            elif op.startswith("log_") and not from_peer:
-                _send(self.request, server.logs.handle(op, _key(req["identity"]), req, self))
-            elif op.startswith("base_copy_") and from_peer:  # the previous node's ranks' bases
-                _send(self.request, *server.bases.copy(op, _key(req["identity"]), req, payload))
-            elif op.startswith("base_") and not from_peer:
-                key = _key(req["identity"])
-                reply = server.bases.handle(op, key, req, payload)
-                _send(self.request, *reply)
-                if op == "base_put" and req.get("replica") and reply[0].get("ok"):
-                    kept = server.bases.get(key, int(req["iteration"]))
-                    if kept is not None:
-                        server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
-            elif op == "stats":
-                _send(self.request, server.stats())
-            elif op == "stop" and not from_peer:
-                server.stopping = True
-                _send(self.request, {"ok": True})
-                threading.Thread(target=server.stop_all, daemon=True).start()
-                return
-            else:
-                _send(self.request, {"error": f"unknown request {op!r}"})
+            try:
+                if not self._serve(req, op, payload):
+                    return
+            finally:
+                if isinstance(payload, Received):
+                    payload.release()  # its files, unless a copy took them
+
+    def _serve(self, req: dict, op: str, payload: bytearray | Received) -> bool:
+        """Answer one request; ``False``: the connection ends."""
+        server = self.server
+        state, link, from_peer = server.state, server.link, server.for_peers
+        if op == "put" and server.stopping:
+            send(self.request, {"held": False, "why": "the keeper is stopping"})
+        elif op == "put":
+            held, why = state.put(req["identity"], int(req["iteration"]), payload)
+            if held and server.bases is not None:
+                server.bases.drop_from(_key(req["identity"]), int(req["iteration"]))
+            logged = {}  # the rank's diff log, when this keeper writes it (keeper_log)
+            if "log" in req and not from_peer:
+                logged = server.logs.append(_key(req["identity"]), req, payload)
+            send(self.request, {"held": held, "why": why, **logged})
+            if held and link is not None and not from_peer:
+                link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)
+            if held and not from_peer:  # LowDiff's replica, off the rank's training path
+                server.replicas.roll(_key(req["identity"]), payload)
+        elif op == "published":
+            state.published(req["identity"], int(req["iteration"]))
+            if server.bases is not None:
+                server.bases.published(_key(req["identity"]), int(req["iteration"]))
+            if not from_peer:
+                server.replicas.published(_key(req["identity"]), int(req["iteration"]))
+                server.logs.rebase(_key(req["identity"]), int(req["iteration"]))
+            send(self.request, {"ok": True})
+            if link is not None and not from_peer:
+                link.forward({k: req[k] for k in ("op", "identity", "iteration")})
+        elif op == "chain":
+            self._chain(req, state, link, from_peer)
+        elif op.startswith("replica_") and op.startswith("replica_copy_") == from_peer:
+            if not self.niced:  # a rank's merges: after training, as the in-process merger's
+                self.niced = lower_priority()
+            _answer(self.request, *server.replicas.handle(op, _key(req["identity"]), req, payload))
+        elif op == "write_files" and not from_peer:  # in a writer process, niced
+            reply = server.writes.handle(_key(req["identity"]), req, payload)
+            try:
+                send(self.request, *reply)
+            except OSError:
+                return False  # the rank died while its files were written: no finalize follows
+        elif op.startswith("log_") and not from_peer:
+            send(self.request, server.logs.handle(op, _key(req["identity"]), req, self))
+        elif op.startswith("base_copy_") and from_peer:  # the previous node's ranks' bases
+            _answer(self.request, *server.bases.copy(op, _key(req["identity"]), req, payload))
+        elif op.startswith("base_") and not from_peer:
+            key = _key(req["identity"])
+            reply = server.bases.handle(op, key, req, payload)
+            send(self.request, *reply)
+            if op == "base_put" and req.get("replica") and reply[0].get("ok"):
+                kept = server.bases.get(key, int(req["iteration"]))
+                if kept is not None:
+                    server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
+        elif op == "stats":
+            send(self.request, server.stats())
+        elif op == "stop" and not from_peer:
+            server.stopping = True
+            send(self.request, {"ok": True})
+            threading.Thread(target=server.stop_all, daemon=True).start()
+            return False
+        else:
+            send(self.request, {"error": f"unknown request {op!r}"})
+        return True
 
     def finish(self) -> None:
         """The connection ended: a log its rank opened is written out now (the rank died, or
@@ -311,10 +321,10 @@ class _Handler(socketserver.BaseRequestHandler):
             reply = link.chain_from_successor(req["identity"], int(req["after"]))
             if reply is not None and reply[0].get("records"):
                 tier = f"the keeper of node {link.successor} (a peer)"
-                _send(self.request, {**reply[0], "tier": tier}, reply[1])
+                send(self.request, {**reply[0], "tier": tier}, reply[1])
                 return
         sizes = [[i, len(r)] for i, r in records]
-        _send(self.request, {"records": sizes, "tier": "the node's keeper"},
+        send(self.request, {"records": sizes, "tier": "the node's keeper"},
               b"".join(r for _, r in records))  # fmt: skip
 
 
@@ -328,6 +338,7 @@ class _Serving:
         self.bases: Any = None  # the local server's KeptBases
         self.writes: Any = None  # the local server's KeeperWrites
         self.logs: Any = None  # the local server's KeeperLogs
+        self.folder = ""  # the keeper's shared-memory folder
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
         self.stop_all: Any = None  # set by serve()
@@ -469,7 +480,7 @@ def serve(
         tcp = _PeerServer(peers.get("bind", "0.0.0.0"), state)
         port = tcp.server_address[1]
         link = PeerLink(peers["folder"], peers["node"], peers["nnodes"], peers["host"], port,
-                        _send, _recv)  # fmt: skip
+                        file_budget=memory)  # fmt: skip
         tcp.link = link
         servers.append(tcp)
         logger.info(
@@ -494,6 +505,7 @@ def serve(
     local.logs = KeeperLogs()
     for server in servers:  # the peers' server takes the copies
         server.replicas, server.bases = local.replicas, local.bases
+        server.folder = local.replicas.folder
     servers.insert(0, local)
 
     def stop_all() -> None:
@@ -575,8 +587,8 @@ class KeeperClient:
             return None
         with self._lock:
             try:
-                _send(self._sock, {**header, "identity": self.identity}, payload)
-                return _recv(self._sock)
+                send(self._sock, {**header, "identity": self.identity}, payload)
+                return recv(self._sock)
             except (OSError, ConnectionError, ValueError) as exc:
                 self.lost = str(exc)
                 logger.warning(
@@ -648,8 +660,8 @@ def query(path: str, op: str = "stats") -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(KeeperClient.TIMEOUT_S)
         sock.connect(path)
-        _send(sock, {"op": op})
-        return _recv(sock)[0]
+        send(sock, {"op": op})
+        return recv(sock)[0]
 
 
 def stop(path: str) -> dict[str, Any]:

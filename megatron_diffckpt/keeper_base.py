@@ -30,11 +30,13 @@ replaying them. Here every base a rank saves is also staged in its keeper's memo
 
 **The ring** (with ``--diffckpt-keeper-peers``): each base a keeper takes is copied, off the
 rank's path (a thread of the keeper, after the reply), to the next node's keeper
-(``base_copy_put``), which holds it under its cap as it holds its own (the newest, and the
-newest at or below the base published; dropped by the same records and publications, which
-travel the ring too). A node lost whole comes back with an empty keeper: asked for its ranks'
-bases, it fetches the successor's copies (``base_copy_fetch``), takes them into files of its
-own folder and serves them as its own (``keeper: adopted the base of rank_0_0_1 at iteration
+(``base_copy_put``: its files hard-linked, so a base dropped meanwhile still goes whole, and
+streamed from them into the successor's shared memory, never through either keeper's heap:
+:mod:`~megatron_diffckpt.keeper_wire`), which holds it under its cap as it holds its own (the
+newest, and the newest at or below the base published; dropped by the same records and
+publications, which travel the ring too). A node lost whole comes back with an empty keeper:
+asked for its ranks' bases, it fetches the successor's copies (``base_copy_fetch``) into files
+of its own folder and serves them as its own (``keeper: adopted the base of rank_0_0_1 at iteration
 10 from the keeper of node 0 (a peer)``), so its ranks too recover without reading storage's
 base, and replay the peer's differentials (:mod:`~megatron_diffckpt.keeper_peers`).
 
@@ -47,13 +49,11 @@ base, and replay the peer's differentials (:mod:`~megatron_diffckpt.keeper_peers
 
 from __future__ import annotations
 
-import copy
 import io
 import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,7 @@ import torch
 
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
+from megatron_diffckpt.keeper_wire import Parts, Received, span
 from megatron_diffckpt.replica_merger import _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
@@ -69,12 +70,9 @@ from megatron_diffckpt.shared_replica import (
     files_of,
     map_tensor,
     nbytes_of,
-    packed,
     remove_files,
     specs_of,
-    tensor_bytes,
     tensor_nbytes,
-    unpack_into_file,
 )
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
 
@@ -157,26 +155,32 @@ class KeptBases:
         bases, held as a copy), ``fetch`` (the copies of one rank, for its fresh keeper)."""
         try:
             if op == "base_copy_put":
-                base = self._unpack(req, payload, "a peer's copy")
-                return self._hold(self._copies, key, base), b""
+                base = _received(req, payload, "a peer's copy")
+                return self._hold(self._copies, key, base, payload), b""
             if op == "base_copy_fetch":
-                with self._lock:
-                    held = list(self._copies.get(key, []))
-                    published = self._published.get(key, -1)
-                headers, chunks, offset = [], [], 0
-                for b in held:
-                    header, body = pack(b, offset)
-                    headers.append(header)
-                    chunks.append(body)
-                    offset += len(body)
-                return {"bases": headers, "published": published}, b"".join(chunks)
+                parts = Parts(self.folder)
+                try:
+                    with self._lock:  # linked while held: a base dropped now stays whole
+                        headers = [pack(b, parts) for b in self._copies.get(key, [])]
+                        published = self._published.get(key, -1)
+                except BaseException:
+                    parts.release()
+                    raise
+                return {"bases": headers, "published": published}, parts
             return {"error": f"unknown request {op!r}"}, b""
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}, b""
 
-    def _hold(self, table: dict[tuple, list[KeptBase]], key: tuple, base: KeptBase) -> dict:
+    def _hold(
+        self,
+        table: dict[tuple, list[KeptBase]],
+        key: tuple,
+        base: KeptBase,
+        received: Received | None = None,
+    ) -> dict:
         """Hold ``base`` for the rank ``key`` in ``table`` (its own bases or the copies), within
-        the cap: ``{"ok": True, "held": [...]}``, or the error (``base``'s files removed)."""
+        the cap: ``{"ok": True, "held": [...]}``, or the error (``base``'s files removed). A
+        base ``received`` from a peer takes its files (:meth:`Received.claim`) when held."""
         with self._lock:
             others = {f for b in table.get(key, []) for f in b.files}
             why = _refused(base, self.folder, others)
@@ -192,6 +196,8 @@ class KeptBases:
                 self._remove_files(base.files)
                 return {"error": room[1].replace("a replica", "a base")}
             table[key] = kept
+            if received is not None:
+                received.claim(base.files)
             for b in (*dropped, *pruned):
                 self._remove_files(b.files)
         return {"ok": True, "held": [b.iteration for b in kept]}
@@ -203,46 +209,40 @@ class KeptBases:
         base = self.get(key, iteration)
         if base is None:
             return
-        try:
-            header, body = pack(base)
-        except (OSError, RuntimeError):  # dropped while read: a newer base follows
+        parts = self.link.parts(self.folder, base.nbytes)
+        if parts is None:
             return
-        self.link.forward({"op": "base_copy_put", "identity": dict(key), **header}, body)
-
-    def _unpack(self, header: dict, payload: bytearray, tier: str) -> KeptBase:
-        """A packed base (:func:`pack`) as a :class:`KeptBase` in new files of this keeper's
-        folder."""
-        optimizers = copy.deepcopy(header["optimizers"])
-        residuals = copy.deepcopy(header["residuals"])
-        made: list[str] = []
         try:
-            for spec in [*specs_of(optimizers), *residuals.values()]:
-                path = os.path.join(self.folder, f"peer-base-{uuid.uuid4().hex}")
-                made.append(path)  # removed below if anything fails (missing files are fine)
-                unpack_into_file(spec, payload, path)
-        except BaseException:
-            self._remove_files(set(made))
-            raise
-        start, n = header["record"]
-        return KeptBase(int(header["iteration"]), optimizers, residuals,
-                        bytes(payload[start : start + n]), tier)  # fmt: skip
+            header = pack(base, parts)
+        except OSError:  # dropped before it was linked: a newer base follows
+            parts.release()
+            return
+        self.link.forward({"op": "base_copy_put", "identity": dict(key), **header}, parts)
 
     def _adopt(self, key: tuple) -> list[KeptBase]:
         """The successor's copies of the rank ``key``'s bases, held as this keeper's own (this
         keeper is new: its node was lost whole); none when it has none."""
-        reply = self.link.ask({"op": "base_copy_fetch", "identity": dict(key)})
-        if reply is None or not reply[0].get("bases"):
+        reply = self.link.ask({"op": "base_copy_fetch", "identity": dict(key)}, into=self.folder)
+        if reply is None:
             return []
+        try:
+            self._adopt_from(key, *reply)
+        finally:
+            reply[1].release()  # the files of a copy not held
+        with self._lock:
+            return list(self._bases.get(key, []))
+
+    def _adopt_from(self, key: tuple, reply: dict, payload: Received) -> None:
         tier = f"the keeper of node {self.link.successor} (a peer)"
         with self._lock:  # what was published before this keeper started: kept as there
-            self._published[key] = max(self._published.get(key, -1), reply[0]["published"])
-        for header in reply[0]["bases"]:
+            self._published[key] = max(self._published.get(key, -1), reply["published"])
+        for header in reply["bases"]:
             try:
-                base = self._unpack(header, reply[1], tier)
-            except (OSError, RuntimeError, ValueError, KeyError) as exc:
+                base = _received(header, payload, tier)
+            except (ValueError, KeyError) as exc:
                 logger.warning("keeper: the peer's copy of a base is unusable: %s", exc)
                 continue
-            held = self._hold(self._bases, key, base)
+            held = self._hold(self._bases, key, base, payload)
             if held.get("ok"):
                 logger.info(
                     "keeper: adopted the base of %s at iteration %d from %s",
@@ -252,8 +252,6 @@ class KeptBases:
                 )
             else:
                 logger.warning("keeper: the peer's copy does not fit here: %s", held["error"])
-        with self._lock:
-            return list(self._bases.get(key, []))
 
     def get(self, key: tuple, iteration: int) -> KeptBase | None:
         """The rank ``key``'s kept base of ``iteration``, if held."""
@@ -314,25 +312,27 @@ class KeptBases:
             ]
 
 
-def pack(base: KeptBase, start: int = 0) -> tuple[dict[str, Any], bytes]:
-    """``base`` as one message for another keeper: its description with each tensor at an
-    offset (from ``start``) into the bytes, then its record. Reads its files (copies)."""
-    optimizers, body = packed(
-        base.optimizers, [map_tensor(s) for s in specs_of(base.optimizers)], start
-    )
-    chunks, offset, residuals = [body], start + len(body), {}
-    for name, spec in base.residuals.items():
-        chunks.append(tensor_bytes(map_tensor(spec)))
-        residuals[name] = {**{k: v for k, v in spec.items() if k != "file"}, "offset": offset}
-        offset += len(chunks[-1])
-    chunks.append(base.record)
-    header = {
+def pack(base: KeptBase, parts: Parts) -> dict[str, Any]:
+    """``base`` appended to ``parts`` for another keeper: its files linked (a kept base never
+    changes; the copy stays whole while the keeper drops it), then its record. The header."""
+    optimizers = parts.packed(base.optimizers)
+    residuals = {name: parts.link(spec) for name, spec in base.residuals.items()}
+    return {
         "iteration": base.iteration,
         "optimizers": optimizers,
         "residuals": residuals,
-        "record": [offset, len(base.record)],
+        "record": parts.add(base.record),
     }
-    return header, b"".join(chunks)
+
+
+def _received(header: dict[str, Any], payload: Received, tier: str) -> KeptBase:
+    """A base :func:`pack` made, as another keeper received it (its tensors in files of this
+    keeper's folder, named in ``header``)."""
+    start, n = header["record"]
+    record = bytes(span(payload, start, n))
+    return KeptBase(
+        int(header["iteration"]), header["optimizers"], header["residuals"], record, tier
+    )
 
 
 def rank_name(key: tuple) -> str:

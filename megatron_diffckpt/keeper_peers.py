@@ -21,9 +21,19 @@ The copy is asynchronous: a rank's ``put`` returns once its own keeper holds the
 newest iteration the successor acknowledged is ``peer_last`` in the keeper's stats. A successor
 that is not up yet or went away: each record is tried twice, each time waiting up to
 ``CONNECT_S`` for it (reconnecting, re-reading the folder: a restarted successor has a new
-address and token), then dropped, as are records beyond ``QUEUE`` (or ``QUEUE_BYTES``)
-waiting; the first drop is warned about (the copy then has a gap, and a lost node recovers from
-storage until the next base; a LowDiff+ replica's copy, until the rank opens it again).
+address and token), then dropped, as are records beyond ``QUEUE`` waiting, or beyond
+``QUEUE_BYTES`` of records in the keeper's heap, or beyond the keeper's cap of tensor files
+(:class:`~megatron_diffckpt.keeper_wire.Parts`: bases, replicas, snapshots) waiting in its
+shared memory; the first drop is warned about (the copy then has a gap, and a lost node
+recovers from storage until the next base; a LowDiff+ replica's copy, until the rank opens it
+again).
+
+Large copies (a base or a replica: a rank's optimizer shard, 12 bytes per parameter) travel as
+files (:mod:`~megatron_diffckpt.keeper_wire`): a kept base is hard-linked (it never changes),
+a replica and an iteration's snapshot are copied into the keeper's shared memory when the copy
+is made; the sender streams them with ``sendfile`` and the successor writes them into its own
+shared memory as they arrive, so neither keeper holds them in its heap and no size is too
+large.
 
 Which processes call: the keeper process only (its server threads and its sender thread).
 """
@@ -41,13 +51,15 @@ import time
 from typing import Any
 
 from megatron_diffckpt.durable_io import publish_file
+from megatron_diffckpt.keeper_wire import Parts, Received, receive, recv, recv_header, send
 
 logger = logging.getLogger(__name__)
 
 QUEUE = 256
 """Records (and published bases) waiting for the successor, at most."""
 QUEUE_BYTES = 1 << 30
-"""Bytes waiting for the successor, at most (LowDiff+'s snapshots are dense)."""
+"""Bytes of records waiting for the successor in the keeper's heap, at most (tensor files wait
+in shared memory: bounded by the keeper's cap)."""
 CONNECT_S = 5.0
 """How long one record waits for the successor to be reachable before the sender moves on."""
 
@@ -58,10 +70,11 @@ def peer_file(folder: str, node: int) -> str:
 
 class PeerLink:
     """This keeper's place in the ring: its own address (published in ``folder``) and the
-    sender to its successor. ``send`` and ``recv`` are the keeper's message functions."""
+    sender to its successor. ``file_budget``: the bytes of tensor files that may wait for it
+    (the keeper's cap)."""
 
     def __init__(
-        self, folder: str, node: int, nnodes: int, host: str, port: int, send: Any, recv: Any
+        self, folder: str, node: int, nnodes: int, host: str, port: int, file_budget: int = 0
     ):
         self.folder, self.node, self.nnodes = folder, node, nnodes
         self.token = secrets.token_hex(16)
@@ -69,9 +82,10 @@ class PeerLink:
         self.peer_last: dict[tuple, int] = {}
         """Per rank identity: the newest iteration the successor acknowledged."""
         self.dropped = 0
-        self._send, self._recv = send, recv
+        self.file_budget = file_budget
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE)
         self._queued_bytes = 0
+        self._file_bytes = 0
         self._bytes_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._warned = False
@@ -83,33 +97,65 @@ class PeerLink:
 
     # -- the keeper's server threads ---------------------------------------------------------
 
-    def forward(self, header: dict, payload: bytes | bytearray = b"") -> None:
-        """Queue ``header`` (a ``put``, a ``published``, a ``replica_copy_*``) for the successor;
-        never blocks."""
+    def parts(self, folder: str, nbytes: int) -> Parts | None:
+        """An empty payload for a copy whose tensor files take ``nbytes`` of the keeper's shared
+        memory (``folder``), reserved until it is sent or dropped; ``None`` (the copy is
+        dropped) when the files waiting would exceed :attr:`file_budget`."""
         with self._bytes_lock:
-            if self._queued_bytes + len(payload) > QUEUE_BYTES:
-                self._dropped(f"{self._queued_bytes} bytes wait for it already")
-                return
-            self._queued_bytes += len(payload)
+            if self._file_bytes + nbytes > self.file_budget:
+                waiting = self._file_bytes
+            else:
+                self._file_bytes += nbytes
+                waiting = -1
+        if waiting >= 0:
+            self._dropped(f"{waiting / 2**20:.0f} MiB of copies wait for it already")
+            return None
+
+        def unreserve() -> None:
+            with self._bytes_lock:
+                self._file_bytes -= nbytes
+
+        return Parts(folder, on_release=unreserve)
+
+    def forward(self, header: dict, payload: bytes | bytearray | Parts = b"") -> None:
+        """Queue ``header`` (a ``put``, a ``published``, a ``replica_copy_*``, a
+        ``base_copy_put``) for the successor; never blocks. A :class:`Parts` payload is the
+        sender's from then on (released once sent or dropped)."""
+        heap = 0 if isinstance(payload, Parts) else len(payload)
+        with self._bytes_lock:
+            full = self._queued_bytes + heap > QUEUE_BYTES
+            if not full:
+                self._queued_bytes += heap
+        if full:
+            self._dropped(f"{self._queued_bytes / 2**20:.0f} MiB of records wait for it already")
+            _release(payload)
+            return
         try:
-            self._queue.put_nowait((header, payload))
+            self._queue.put_nowait((header, payload, heap))
         except queue.Full:
             with self._bytes_lock:
-                self._queued_bytes -= len(payload)
+                self._queued_bytes -= heap
             self._dropped(f"{QUEUE} records wait for it already")
+            _release(payload)
 
     def chain_from_successor(self, identity: dict, after: int) -> tuple[dict, bytearray] | None:
         """The successor's copy of ``identity``'s chain after ``after`` (the reply of a
         ``chain`` request), or ``None`` when it cannot be asked."""
         return self.ask({"op": "chain", "identity": identity, "after": after})
 
-    def ask(self, header: dict) -> tuple[dict, bytearray] | None:
+    def ask(
+        self, header: dict, into: str | None = None
+    ) -> tuple[dict, bytearray | Received] | None:
         """The successor's reply to one request, on a connection of its own; ``None`` when it
-        cannot be asked."""
+        cannot be asked. ``into``: a folder where the reply's tensors are written as they
+        arrive (:func:`~megatron_diffckpt.keeper_wire.receive`; the caller releases it)."""
         try:
             with self._connect(timeout=CONNECT_S) as sock:
-                self._send(sock, self._header(header))
-                return self._recv(sock)
+                send(sock, self._header(header))
+                if into is None:
+                    return recv(sock)
+                reply, n = recv_header(sock)
+                return reply, receive(sock, n, reply, into)
         except (OSError, ConnectionError, ValueError) as exc:
             logger.warning(
                 "keeper: the keeper of node %d cannot be asked (%s)", self.successor, exc
@@ -119,6 +165,13 @@ class PeerLink:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=10)
+        while True:  # what the sender did not reach: its files
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                _release(item[1])
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -146,23 +199,26 @@ class PeerLink:
             item = self._queue.get()
             if item is None:
                 break
-            header, payload = item
+            header, payload, heap = item
             with self._bytes_lock:
-                self._queued_bytes -= len(payload)
+                self._queued_bytes -= heap
             reply = None
-            for attempt in range(2):  # a connection to a successor that restarted is stale
-                try:
-                    if self._sock is None:
-                        self._sock = self._connect(timeout=CONNECT_S)
-                    self._send(self._sock, self._header(header), payload)
-                    reply, _ = self._recv(self._sock)
-                    break
-                except (OSError, ConnectionError, ValueError) as exc:
-                    if self._sock is not None:
-                        self._sock.close()
-                    self._sock = None
-                    if attempt == 1:
-                        self._dropped(str(exc))
+            try:
+                for attempt in range(2):  # a connection to a successor that restarted is stale
+                    try:
+                        if self._sock is None:
+                            self._sock = self._connect(timeout=CONNECT_S)
+                        send(self._sock, self._header(header), payload)
+                        reply, _ = recv(self._sock)
+                        break
+                    except (OSError, ConnectionError, ValueError) as exc:
+                        if self._sock is not None:
+                            self._sock.close()
+                        self._sock = None
+                        if attempt == 1:
+                            self._dropped(str(exc))
+            finally:
+                _release(payload)
             if reply is None:
                 continue
             if header["op"] in ("put", "replica_copy_merge") and reply.get("held"):
@@ -170,6 +226,10 @@ class PeerLink:
                 self.peer_last[key] = max(int(header["iteration"]), self.peer_last.get(key, -1))
         if self._sock is not None:
             self._sock.close()
+
+    def not_copied(self, why: str) -> None:
+        """A copy could not even be made (no room in shared memory): warned as a drop."""
+        self._dropped(why)
 
     def _dropped(self, why: str) -> None:
         self.dropped += 1
@@ -181,3 +241,8 @@ class PeerLink:
                 self.successor,
                 why,
             )
+
+
+def _release(payload: Any) -> None:
+    if isinstance(payload, Parts):
+        payload.release()

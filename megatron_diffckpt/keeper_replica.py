@@ -66,6 +66,7 @@ from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_i
 from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.keeper_base import missing_file, rank_name
 from megatron_diffckpt.keeper_log import open_log
+from megatron_diffckpt.keeper_wire import Parts, Received, span
 from megatron_diffckpt.replica_merger import (
     ParamSlice,
     ShardLayout,
@@ -76,17 +77,15 @@ from megatron_diffckpt.replica_merger import (
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
+    create_tensor,
     describe,
     files_of,
     initial_adam_state,
     map_tensor,
     nbytes_of,
-    packed,
     remove_files,
-    tensor_bytes,
     tensor_from,
     tensors_of,
-    unpack_into_file,
 )
 from megatron_diffckpt.storage.format import (
     DiffRecord,
@@ -405,9 +404,7 @@ class HostedReplicas:
             finally:
                 if previous is not None:
                     previous.lock.release()
-        if self.link is not None:
-            header, body = copy_of(replica)
-            self._forward({"op": "replica_copy_open", "identity": req["identity"], **header}, body)
+        self._forward_copy(key, replica)
         return {"ok": True, "merged": replica.merged}
 
     # ----------------------------------------------------------------- LowDiff's replica
@@ -480,9 +477,8 @@ class HostedReplicas:
             logger.warning(
                 "keeper: no replica of %s past base %d: %s", rank_name(key), base.iteration, refused
             )
-        elif self.link is not None:  # the next node's keeper steps a copy (replica_copy_step)
-            header, body = copy_of(replica)
-            self._forward({"op": "replica_copy_open", "identity": dict(key), **header}, body)
+        else:  # the next node's keeper steps a copy (replica_copy_step)
+            self._forward_copy(key, replica)
 
     def _roll(self, key: tuple, payload: bytes | bytearray) -> None:
         replica = self._replicas.get(key)
@@ -536,34 +532,56 @@ class HostedReplicas:
         if self.link is not None:
             self.link.forward(header, payload)
 
+    def _forward_copy(self, key: tuple, replica: HostedReplica) -> None:
+        """``replica`` whole (as it is now), for the next node's keeper to hold a copy of."""
+        if self.link is None:
+            return
+        parts = self.link.parts(self.folder, _copy_bytes(replica))
+        if parts is None:
+            return
+        try:
+            header = copy_of(replica, parts)
+        except (OSError, RuntimeError) as exc:  # no room in shared memory for the copy
+            parts.release()
+            self.link.not_copied(str(exc))
+            return
+        self.link.forward({"op": "replica_copy_open", "identity": dict(key), **header}, parts)
+
     def _forward_iteration(self, req: dict, replica: HostedReplica, record: bytes) -> None:
         """The iteration just handed over, for the next node's copy: its scalars, record and
         snapshot (copied now: the slot goes back to the rank once merged)."""
         if self.link is None:
             return
-        chunks, buckets, offset = [record], [], len(record)
-        if req["slot"] is not None:
-            for k in sorted(req["filled"]):
-                chunks.append(tensor_bytes(replica.slots[req["slot"]][k]))
-                buckets.append([k, offset, len(chunks[-1])])
-                offset += len(chunks[-1])
+        filled = sorted(req["filled"]) if req["slot"] is not None else []
+        tensors = [replica.slots[req["slot"]][k] for k in filled]
+        parts = self.link.parts(self.folder, sum(t.nbytes for t in tensors))
+        if parts is None:
+            return
+        try:
+            where = parts.add(record)
+            buckets = [
+                [k, parts.copy(t)["offset"], t.nbytes] for k, t in zip(filled, tensors, strict=True)
+            ]
+        except (OSError, RuntimeError) as exc:
+            parts.release()
+            self.link.not_copied(str(exc))
+            return
         header = {k: req[k] for k in ("identity", "iteration", "filled", "groups", "clip")}
-        header.update(op="replica_copy_merge", record=[0, len(record)], buckets=buckets)
+        header.update(op="replica_copy_merge", record=where, buckets=buckets)
         header["has_slot"] = req["slot"] is not None
-        self.link.forward(header, b"".join(chunks))
+        self.link.forward(header, parts)
 
     def _copy(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """A request of the previous node's keeper about its copy of one rank's replica."""
         if op == "replica_copy_open":
             with self._lock:
                 previous = self._copies.get(key)
-                copy = HostedReplica(
-                    req, _slice(payload, req["record"]), None, lambda s: tensor_from(s, payload)
-                )
+                copy = HostedReplica(req, _slice(payload, req["record"]), None)
                 refused = self._install(self._copies, key, copy, previous)
                 if refused:  # the previous copy is of an older replica: no use any more
                     self._drop(self._copies, key)
                     return {"error": refused}, b""
+                payload.claim(copy.files)
                 if req.get("held"):
                     feed(copy, req["held"], payload)
                 if req.get("held_differential"):
@@ -587,9 +605,14 @@ class HostedReplicas:
         if op == "replica_copy_fetch":
             if copy is None:
                 return {"copy": None}, b""
-            with copy.lock:
-                header, body = copy_of(copy)
-            return {"copy": header}, body
+            parts = Parts(self.folder)  # a recovery's: taken now, the copy steps on meanwhile
+            try:
+                with copy.lock:
+                    header = copy_of(copy, parts)
+            except BaseException:
+                parts.release()
+                raise
+            return {"copy": header}, parts
         if op == "replica_copy_merge":
             if copy is None:
                 return {"error": "no copy of this rank's replica (a gap: until its next open)"}, b""
@@ -607,28 +630,16 @@ class HostedReplicas:
         new: the node was lost whole), in files the rank maps; ``None``: no copy."""
         if self.link is None:
             return None
-        reply = self.link.ask({"op": "replica_copy_fetch", "identity": identity})
-        if reply is None or not reply[0].get("copy"):
+        reply = self.link.ask({"op": "replica_copy_fetch", "identity": identity}, self.folder)
+        if reply is None:
             return None
-        header, payload = reply[0]["copy"], reply[1]
-
-        def into_file(spec: dict) -> torch.Tensor:
-            path = os.path.join(self.folder, f"adopted-{uuid.uuid4().hex}")
-            return unpack_into_file(spec, payload, path)
-
-        with self._lock:
-            replica = HostedReplica(header, _slice(payload, header["record"]), None, into_file)
-            if header.get("held"):
-                feed(replica, header["held"], payload)
-            if header.get("held_differential"):
-                replica.take_differential(_slice(payload, header["held_differential"]))
-            if replica.rng is not None:
-                self._rolled_ranks.add(key)  # LowDiff's: the rank's differentials step it on
-            replica.tier = f"the keeper of node {self.link.successor} (a peer)"
-            refused = self._install(self._replicas, key, replica, None)
-            if refused:
-                logger.warning("keeper: the peer's copy does not fit here: %s", refused)
-                return None
+        payload = reply[1]
+        try:
+            replica = self._adopt_from(key, reply[0].get("copy"), payload)
+        finally:
+            payload.release()  # the files of a copy not taken
+        if replica is None:
+            return None
         logger.info(
             "keeper: adopted the replica of %s at iteration %d%s from %s",
             rank_name(key),
@@ -636,6 +647,40 @@ class HostedReplicas:
             f" (holding the input of {replica.held.iteration})" if replica.held else "",
             replica.tier,
         )
+        return replica
+
+    def _adopt_from(
+        self, key: tuple, header: dict | None, payload: Received
+    ) -> HostedReplica | None:
+        if header is None:
+            return None
+        made: list[str] = []
+
+        def tensor_of(spec: dict) -> torch.Tensor:  # the slots the rank fills: files too
+            if "file" not in spec:
+                spec["file"] = os.path.join(self.folder, f"adopted-{uuid.uuid4().hex}")
+                made.append(spec["file"])
+                return create_tensor(spec)
+            return map_tensor(spec)
+
+        with self._lock:
+            try:
+                replica = HostedReplica(header, _slice(payload, header["record"]), None, tensor_of)
+                if header.get("held"):
+                    feed(replica, header["held"], payload)
+                if header.get("held_differential"):
+                    replica.take_differential(_slice(payload, header["held_differential"]))
+            except BaseException:
+                self._remove_files(set(made))
+                raise
+            if replica.rng is not None:
+                self._rolled_ranks.add(key)  # LowDiff's: the rank's differentials step it on
+            replica.tier = f"the keeper of node {self.link.successor} (a peer)"
+            refused = self._install(self._replicas, key, replica, None)
+            if refused:
+                logger.warning("keeper: the peer's copy does not fit here: %s", refused)
+                return None
+            payload.claim(replica.files)
         return replica
 
     # ----------------------------------------------------------------- bookkeeping
@@ -689,54 +734,60 @@ def _rng_of(record: DiffRecord) -> dict[str, torch.Tensor]:
     return {k: v for k, v in record.tensors.items() if k.startswith("rng.")}
 
 
-def _slice(payload: bytearray | bytes, where: list[int]) -> bytes:
-    return bytes(payload[where[0] : where[0] + where[1]])
+def _slice(payload: bytearray | Received, where: list[int]) -> bytes:
+    return bytes(span(payload, where[0], where[1]))
 
 
-def copy_of(replica: HostedReplica) -> tuple[dict[str, Any], bytes]:
-    """``replica`` as one message for another keeper: what ``replica_copy_open`` takes (with
-    its held iteration, if any, as a ``replica_copy_merge`` would bring it)."""
+def _copy_bytes(replica: HostedReplica) -> int:
+    """The bytes of the files :func:`copy_of` makes of ``replica``."""
+    held = replica.held
+    filled = held.filled if held is not None and held.slot is not None else ()
+    residuals = replica.slots[0].values() if replica.rng is not None and replica.slots else ()
+    return (
+        nbytes_of(replica.description, [])
+        + sum(t.nbytes for t in residuals)
+        + sum(replica.slots[held.slot][k].nbytes for k in filled)
+    )
+
+
+def copy_of(replica: HostedReplica, parts: Parts) -> dict[str, Any]:
+    """``replica`` appended to ``parts`` for another keeper (its tensors copied as they are
+    now: it steps on), what ``replica_copy_open`` takes (with its held iteration, if any, as a
+    ``replica_copy_merge`` would bring it); the header."""
     tensors = list(tensors_of(replica.description, replica.optimizers))
-    description, body = packed(replica.description, tensors)
-    chunks, offset = [body, replica.record], len(body) + len(replica.record)
+    description = parts.packed(replica.description, tensors)
+    record = parts.add(replica.record)
     if replica.rng is not None:  # LowDiff's: its residuals' contents and its held differential
-        residuals = {}
-        for k, spec in (replica.residuals or {}).items():
-            chunks.append(tensor_bytes(replica.slots[0][k]))
-            residuals[k] = {"shape": spec["shape"], "dtype": spec["dtype"], "offset": offset}
-            offset += len(chunks[-1])
+        residuals = {k: parts.copy(replica.slots[0][k]) for k in replica.residuals or {}}
         header = {
             "iteration": replica.merged,
             "layout": [],
             "optimizers": description,
             "slots": [residuals] if residuals else [],
-            "record": [len(body), len(replica.record)],
+            "record": record,
             "lowdiff": True,
             "held": None,
         }
         if replica.held is not None:
-            raw = encode_record(replica.held.differential)
-            header["held_differential"] = [offset, len(raw)]
-            chunks.append(raw)
-        return header, b"".join(chunks)
+            header["held_differential"] = parts.add(encode_record(replica.held.differential))
+        return header
     buckets = {
         k: {"shape": s["shape"], "dtype": s["dtype"]} for k, s in replica.slot_specs[0].items()
     }
-    header: dict[str, Any] = {
+    header = {
         "iteration": replica.merged,
         "layout": replica.raw_layout,
         "optimizers": description,
         "slots": [buckets, dict(buckets)],  # two: the held iteration's and the next one's
-        "record": [len(body), len(replica.record)],
+        "record": record,
         "held": None,
     }
     held = replica.held
     if held is not None:
         spans = []
         for k in sorted(held.filled) if held.slot is not None else []:
-            chunks.append(tensor_bytes(replica.slots[held.slot][k]))
-            spans.append([k, offset, len(chunks[-1])])
-            offset += len(chunks[-1])
+            tensor = replica.slots[held.slot][k]
+            spans.append([k, parts.copy(tensor)["offset"], tensor.nbytes])
         header["held"] = {
             "iteration": held.iteration,
             "filled": sorted(held.filled),
@@ -744,17 +795,16 @@ def copy_of(replica: HostedReplica) -> tuple[dict[str, Any], bytes]:
             "clip": {str(k): v for k, v in held.inputs.clip_coeffs.items()},
             "buckets": spans,
             "has_slot": held.slot is not None,
-            "record": [offset, len(held.record)],
+            "record": parts.add(held.record),
         }
-        chunks.append(held.record)
-    return header, b"".join(chunks)
+    return header
 
 
-def feed(replica: HostedReplica, held: dict[str, Any], payload: bytearray | bytes) -> None:
+def feed(replica: HostedReplica, held: dict[str, Any], payload: bytearray | Received) -> None:
     """Hand ``replica`` (a copy: two slots of its own) the iteration ``held`` describes: its
     snapshot into the slot of the iteration's parity, then :meth:`HostedReplica.take`."""
     slot = held["iteration"] % 2 if held["has_slot"] else None
     for k, offset, n in held["buckets"]:
         target = replica.slots[slot][k].view(-1).view(torch.uint8)
-        target[:n].copy_(torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset))
+        target[:n].copy_(torch.frombuffer(span(payload, offset, n), dtype=torch.uint8))
     replica.take({**held, "slot": slot}, _slice(payload, held["record"]))

@@ -13,7 +13,6 @@ Any process, any thread; nothing here talks to another process.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import os
@@ -68,18 +67,6 @@ def create_tensor(spec: dict[str, Any]) -> torch.Tensor:
         ) from exc
     os.close(fd)
     return map_tensor(spec)
-
-
-def unpack_into_file(spec: dict[str, Any], payload: bytearray | bytes, path: str) -> torch.Tensor:
-    """The inverse of :func:`packed` for one tensor: ``spec``'s bytes at its ``"offset"`` in
-    ``payload`` copied into a new file ``path`` (:func:`create_tensor`); ``spec`` names the file
-    from then on."""
-    source = tensor_from(spec, payload)
-    spec.pop("offset", None)
-    spec["file"] = path
-    tensor = create_tensor(spec)
-    tensor.copy_(source)
-    return tensor
 
 
 class SharedArena:
@@ -222,31 +209,11 @@ def tensor_nbytes(spec: dict[str, Any]) -> int:
     return math.prod(spec["shape"]) * _DTYPES[spec["dtype"]].itemsize
 
 
-def tensor_from(spec: dict[str, Any], payload: bytearray | None = None) -> torch.Tensor:
-    """The tensor a spec names: a mapped file (``"file"``), a slice of ``payload`` (``"offset"``,
-    no copy), or else a new zero tensor."""
+def tensor_from(spec: dict[str, Any]) -> torch.Tensor:
+    """The tensor a spec names: a mapped file (``"file"``), or else a new zero tensor."""
     if "file" in spec:
         return map_tensor(spec)
-    shape, dtype = tuple(spec["shape"]), _DTYPES[spec["dtype"]]
-    if "offset" not in spec or math.prod(shape) == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(
-        payload, dtype=dtype, count=math.prod(shape), offset=spec["offset"]
-    ).view(shape)
-
-
-def packed(
-    description: list[Any], tensors: list[torch.Tensor], start: int = 0
-) -> tuple[list[Any], bytes]:
-    """``description`` with each tensor spec's ``"file"`` replaced by its ``"offset"`` (from
-    ``start``) into the returned bytes: the tensors end to end (copied)."""
-    out, chunks, offset = copy.deepcopy(description), [], start
-    for spec, tensor in zip(specs_of(out), tensors, strict=True):
-        spec.pop("file", None)
-        spec["offset"] = offset
-        chunks.append(tensor_bytes(tensor))
-        offset += len(chunks[-1])
-    return out, b"".join(chunks)
+    return torch.zeros(tuple(spec["shape"]), dtype=_DTYPES[spec["dtype"]])
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -33,16 +33,8 @@ from launch import (
 
 from megatron_diffckpt import recovery
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import (
-    _FRAME,
-    OWNER,
-    KeeperClient,
-    KeeperState,
-    _recv,
-    _send,
-    query,
-    stop,
-)
+from megatron_diffckpt.keeper import OWNER, KeeperClient, KeeperState, query, stop
+from megatron_diffckpt.keeper_wire import FRAME, recv, send
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
 
@@ -154,7 +146,7 @@ def test_a_keeper_removes_the_shared_memory_folders_of_keepers_that_died(tmp_pat
 def test_a_message_frames_a_payload_past_4_gib():
     """A replica or base of a large model's shard (12 bytes per parameter) goes to a peer in one
     message: its frame counts the payload in 64 bits."""
-    n, p = _FRAME.unpack(_FRAME.pack(123, 5 << 30))
+    n, p = FRAME.unpack(FRAME.pack(123, 5 << 30))
     assert (n, p) == (123, 5 << 30)
 
 
@@ -261,8 +253,8 @@ def test_a_node_lost_whole_recovers_from_the_peer_keepers_copy(tmp_path):
             fresh.wait(30)
         doc = json.loads((tmp_path / "peers" / "keeper_0.json").read_text())
         with socket.create_connection((doc["host"], doc["port"]), timeout=30) as sock:
-            _send(sock, {"op": "chain", "identity": ME_DICT, "after": 0, "token": "guess"})
-            assert "token" in _recv(sock)[0]["error"]
+            send(sock, {"op": "chain", "identity": ME_DICT, "after": 0, "token": "guess"})
+            assert "token" in recv(sock)[0]["error"]
     finally:
         stop(str(tmp_path / "a.sock"))
         a.wait(30)

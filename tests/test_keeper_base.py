@@ -164,6 +164,72 @@ def test_a_base_goes_to_the_next_nodes_keeper_and_a_fresh_keeper_adopts_it(tmp_p
             b.kill()
 
 
+def _peak_rss(pid: int) -> int:
+    """A process's peak resident bytes (``VmHWM``: heap and mapped pages alike)."""
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib * 1024
+
+
+def _large(seed: int) -> torch.optim.AdamW:
+    """A torch AdamW over 8 parameters of 12M elements, stepped once: 1.1 GiB of state in
+    tensors of 48 MB."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(12_000_000, generator=g)) for _ in range(8)]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn(12_000_000, generator=g)
+    opt.step()
+    for p in params:
+        p.grad = None
+    return opt
+
+
+@pytest.mark.slow
+def test_a_base_past_a_gib_goes_around_the_ring_without_entering_a_keepers_heap(tmp_path):
+    """A base of 1.1 GiB (a rank's shard of 96M parameters: weights and Adam moments),
+    larger than the ring's queue of records in memory (1 GiB, which a copy held in the
+    keeper's heap could not pass): node 1's keeper streams its files to node 0's, which writes
+    them into its shared memory as they arrive; node 1 is lost, its fresh keeper adopts the
+    copy the same way, and the rank loads it bit for bit. No keeper's peak memory comes near
+    the base's size (each maps at most one tensor of it at a time)."""
+    peers = str(tmp_path / "peers")
+    ring = ["--peers", peers, "--nnodes", "2", "--host", "127.0.0.1", "--memory-mib", "4096"]
+    a_sock, b_sock, b2_sock = (str(tmp_path / f"{n}.sock") for n in ("a", "b", "b2"))
+    a = start_keeper(a_sock, *ring, "--node", "0")
+    b = start_keeper(b_sock, *ring, "--node", "1")
+    fresh = None
+    try:
+        train = _large(seed=3)
+        rank = KeeperClient(b_sock, ME)
+        assert keeper_base.stage_base(rank, [train], None, _record(7)) == ""
+        size = query(b_sock)["bases"][0]["bytes"]
+        assert size > 1 << 30
+
+        def copies() -> list[int]:
+            return [r["iteration"] for r in query(a_sock)["bases"] if r["copy"]]
+
+        _wait_for(lambda: copies() == [7], "the 1.1 GiB base at node 0", timeout=300)
+        b.send_signal(signal.SIGKILL)
+        b.wait(30)
+        fresh = start_keeper(b2_sock, *ring, "--node", "1")
+        offered = keeper_base.offered_bases(KeeperClient(b2_sock, ME))
+        assert sorted(offered.bases) == [7]
+        assert offered.bases[7][0]["tier"] == "the keeper of node 0 (a peer)"
+        peaks = {"node 0": _peak_rss(a.pid), "node 1, fresh": _peak_rss(fresh.pid)}
+        again = _large(seed=4)
+        keeper_base.load_kept_base(offered.bases[7][0], [again], None)
+        _assert_same_optimizer(train, again)
+        assert all(peak < size / 2 for peak in peaks.values()), (peaks, size)
+    finally:
+        for sock, proc in ((a_sock, a), (b2_sock, fresh)):
+            if proc is not None:
+                stop(sock)
+                proc.wait(30)
+        if b.poll() is None:
+            b.kill()
+
+
 def test_a_full_shared_memory_folder_refuses_a_base_instead_of_faulting(tmp_path, tmpfs):
     """Files mapped shared on a full filesystem fault (SIGBUS) when written: their bytes are
     allocated first, so a full folder raises, in one line naming the room asked for, and a
