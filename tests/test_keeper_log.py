@@ -10,6 +10,7 @@ from __future__ import annotations
 import filecmp
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -191,7 +192,10 @@ def test_records_the_keeper_skips_are_said_in_the_ranks_log(keeper, tmp_path, tm
             writer.append(record(i, n=1 << 14))  # 64 KiB each
         writer.flush()
     said = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
-    assert len(said) == 1 and "durability stays at iteration" in said[0], said  # once
+    stays = [int(re.search(r"durability stays at iteration (\d+)", m).group(1)) for m in said]
+    # Once per incident, not per record: a loaded host may also see the keeper's writer fall
+    # behind before storage fills (an incident of its own, at an older durable iteration).
+    assert stays and stays == sorted(set(stays)), said
     assert writer.in_keeper and writer.stats.skipped_records > 0
     assert writer.durable_iteration < 19
     writer.close()
