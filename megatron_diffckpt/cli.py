@@ -168,6 +168,13 @@ def _print_keeper(k: dict) -> None:
         f"LowDiff base(s), {held:.1f} of "
         f"{k['memory'] / 2**20:.1f} MiB, {k['evicted']} evicted"
     )
+    ring = k.get("peer")
+    if ring is not None:  # --diffckpt-keeper-peers
+        print(
+            f"  ring: copies to the keeper of node {ring['successor']}; waiting "
+            f"{ring['waiting']} message(s), {ring['waiting_heap'] / 2**20:.1f} MiB in memory and "
+            f"{ring['waiting_files'] / 2**20:.1f} MiB in shared memory; {ring['dropped']} dropped"
+        )
     for c in k["chains"]:
         print(
             f"  rank_{c['tp_rank']}_{c['pp_rank']}_{c['dp_rank']}: iterations "

@@ -355,7 +355,11 @@ class _Serving:
         if self.logs is not None:
             out["logs"] = self.logs.stats()
         if self.link is not None:
-            out["peer"] = {"successor": self.link.successor, "dropped": self.link.dropped}
+            out["peer"] = {
+                "successor": self.link.successor,
+                "dropped": self.link.dropped,
+                **self.link.waiting(),
+            }
             for c in out["chains"]:
                 key = tuple(sorted((k, c[k]) for k in _IDENTITY_FIELDS))
                 c["peer_last"] = self.link.peer_last.get(key)

@@ -138,6 +138,13 @@ class PeerLink:
             self._dropped(f"{QUEUE} records wait for it already")
             _release(payload)
 
+    def waiting(self) -> dict[str, int]:
+        """What waits for the successor: messages, their bytes in the heap, and in files of
+        shared memory (reserved up to :attr:`file_budget`)."""
+        with self._bytes_lock:
+            heap, files = self._queued_bytes, self._file_bytes
+        return {"waiting": self._queue.qsize(), "waiting_heap": heap, "waiting_files": files}
+
     def chain_from_successor(self, identity: dict, after: int) -> tuple[dict, bytearray] | None:
         """The successor's copy of ``identity``'s chain after ``after`` (the reply of a
         ``chain`` request), or ``None`` when it cannot be asked."""

@@ -136,6 +136,7 @@ def test_a_base_goes_to_the_next_nodes_keeper_and_a_fresh_keeper_adopts_it(tmp_p
         _wait_for(lambda: copies() == [5, 10], "node 1's bases at node 0")
         shown = run_cli("inspect", str(tmp_path), "--keeper", a_sock).stdout
         assert "rank_0_0_1: copy of the previous node's LowDiff base of iteration 10" in shown
+        assert re.search(r"ring: copies to the keeper of node 1; waiting .*; 0 dropped", shown)
         b.send_signal(signal.SIGKILL)
         b.wait(30)
         fresh = start_keeper(str(tmp_path / "b2.sock"), *ring, "--node", "1")
