@@ -226,7 +226,8 @@ class KeptBases:
         if reply is None:
             return []
         try:
-            self._adopt_from(key, *reply)
+            if reply[0].get("bases"):  # none held there, or an error
+                self._adopt_from(key, *reply)
         finally:
             reply[1].release()  # the files of a copy not held
         with self._lock:
