@@ -209,15 +209,14 @@ class KeptBases:
         base = self.get(key, iteration)
         if base is None:
             return
-        parts = self.link.parts(self.folder, base.nbytes)
-        if parts is None:
-            return
-        try:
-            header = pack(base, parts)
-        except OSError:  # dropped before it was linked: a newer base follows
-            parts.release()
-            return
-        self.link.forward({"op": "base_copy_put", "identity": dict(key), **header}, parts)
+
+        def make(parts: Parts) -> dict | None:
+            try:
+                return {"op": "base_copy_put", "identity": dict(key), **pack(base, parts)}
+            except OSError:  # dropped before it was linked: a newer base follows
+                return None
+
+        self.link.forward_files(self.folder, base.nbytes, make)
 
     def _adopt(self, key: tuple) -> list[KeptBase]:
         """The successor's copies of the rank ``key``'s bases, held as this keeper's own (this

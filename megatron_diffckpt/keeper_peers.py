@@ -48,6 +48,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from megatron_diffckpt.durable_io import publish_file
@@ -97,25 +98,36 @@ class PeerLink:
 
     # -- the keeper's server threads ---------------------------------------------------------
 
-    def parts(self, folder: str, nbytes: int) -> Parts | None:
-        """An empty payload for a copy whose tensor files take ``nbytes`` of the keeper's shared
-        memory (``folder``), reserved until it is sent or dropped; ``None`` (the copy is
-        dropped) when the files waiting would exceed :attr:`file_budget`."""
+    def forward_files(self, folder: str, nbytes: int, make: Callable[[Parts], dict | None]) -> None:
+        """Queue a copy whose tensors are files of the keeper's shared memory (``folder``):
+        ``make`` appends them to an empty :class:`Parts` (links or copies, ``nbytes`` of them,
+        reserved until sent or dropped) and returns the header (``None``: nothing to copy any
+        more). Dropped, as any copy, when the files waiting would exceed :attr:`file_budget` or
+        cannot be made (no room in shared memory)."""
         with self._bytes_lock:
-            if self._file_bytes + nbytes > self.file_budget:
-                waiting = self._file_bytes
-            else:
+            room = self._file_bytes + nbytes <= self.file_budget
+            if room:
                 self._file_bytes += nbytes
-                waiting = -1
-        if waiting >= 0:
+            waiting = self._file_bytes
+        if not room:
             self._dropped(f"{waiting / 2**20:.0f} MiB of copies wait for it already")
-            return None
+            return
 
         def unreserve() -> None:
             with self._bytes_lock:
                 self._file_bytes -= nbytes
 
-        return Parts(folder, on_release=unreserve)
+        parts = Parts(folder, on_release=unreserve)
+        try:
+            header = make(parts)
+        except (OSError, RuntimeError) as exc:
+            parts.release()
+            self._dropped(str(exc))
+            return
+        if header is None:
+            parts.release()
+        else:
+            self.forward(header, parts)
 
     def forward(self, header: dict, payload: bytes | bytearray | Parts = b"") -> None:
         """Queue ``header`` (a ``put``, a ``published``, a ``replica_copy_*``, a
@@ -233,10 +245,6 @@ class PeerLink:
                 self.peer_last[key] = max(int(header["iteration"]), self.peer_last.get(key, -1))
         if self._sock is not None:
             self._sock.close()
-
-    def not_copied(self, why: str) -> None:
-        """A copy could not even be made (no room in shared memory): warned as a drop."""
-        self._dropped(why)
 
     def _dropped(self, why: str) -> None:
         self.dropped += 1

@@ -536,16 +536,13 @@ class HostedReplicas:
         """``replica`` whole (as it is now), for the next node's keeper to hold a copy of."""
         if self.link is None:
             return
-        parts = self.link.parts(self.folder, _copy_bytes(replica))
-        if parts is None:
-            return
-        try:
-            header = copy_of(replica, parts)
-        except (OSError, RuntimeError) as exc:  # no room in shared memory for the copy
-            parts.release()
-            self.link.not_copied(str(exc))
-            return
-        self.link.forward({"op": "replica_copy_open", "identity": dict(key), **header}, parts)
+        self.link.forward_files(
+            self.folder,
+            _copy_bytes(replica),
+            lambda parts: (
+                {"op": "replica_copy_open", "identity": dict(key)} | copy_of(replica, parts)
+            ),
+        )
 
     def _forward_iteration(self, req: dict, replica: HostedReplica, record: bytes) -> None:
         """The iteration just handed over, for the next node's copy: its scalars, record and
@@ -554,22 +551,17 @@ class HostedReplicas:
             return
         filled = sorted(req["filled"]) if req["slot"] is not None else []
         tensors = [replica.slots[req["slot"]][k] for k in filled]
-        parts = self.link.parts(self.folder, sum(t.nbytes for t in tensors))
-        if parts is None:
-            return
-        try:
-            where = parts.add(record)
-            buckets = [
+
+        def make(parts: Parts) -> dict:
+            header = {k: req[k] for k in ("identity", "iteration", "filled", "groups", "clip")}
+            header.update(op="replica_copy_merge", record=parts.add(record))
+            header["buckets"] = [
                 [k, parts.copy(t)["offset"], t.nbytes] for k, t in zip(filled, tensors, strict=True)
             ]
-        except (OSError, RuntimeError) as exc:
-            parts.release()
-            self.link.not_copied(str(exc))
-            return
-        header = {k: req[k] for k in ("identity", "iteration", "filled", "groups", "clip")}
-        header.update(op="replica_copy_merge", record=where, buckets=buckets)
-        header["has_slot"] = req["slot"] is not None
-        self.link.forward(header, parts)
+            header["has_slot"] = req["slot"] is not None
+            return header
+
+        self.link.forward_files(self.folder, sum(t.nbytes for t in tensors), make)
 
     def _copy(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """A request of the previous node's keeper about its copy of one rank's replica."""

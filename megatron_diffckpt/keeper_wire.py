@@ -133,13 +133,10 @@ class Received:
     specs), the bytes between them here (:meth:`span`). The files are removed by
     :meth:`release` unless :meth:`claim` gave them to a holder first."""
 
-    def __init__(self, nbytes: int, folder: str):
-        self.nbytes, self.folder = nbytes, folder
+    def __init__(self, folder: str):
+        self.folder = folder
         self.files: set[str] = set()
         self._gaps: list[tuple[int, bytearray]] = []
-
-    def __len__(self) -> int:
-        return self.nbytes
 
     def span(self, start: int, n: int) -> memoryview:
         """The payload's bytes ``[start, start + n)``, which lie between two of its tensors."""
@@ -213,7 +210,7 @@ def receive(sock: socket.socket, n: int, header: dict, folder: str) -> Received:
     written into a new file of ``folder`` as it arrives (its spec names the file from then
     on, in place of its offset), the rest kept. On any failure, the files made are removed."""
     specs = sorted(tensor_specs(header), key=lambda s: s["offset"])
-    out, at = Received(n, folder), 0
+    out, at = Received(folder), 0
     try:
         for spec in specs:
             start, size = int(spec["offset"]), tensor_nbytes(spec)
