@@ -344,8 +344,19 @@ def _launch(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen,
 def _wait_logged(lines: list[str], iteration: int, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not any(re.search(rf"iteration +{iteration}/", line) for line in lines):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+        assert proc.poll() is None and time.monotonic() < deadline, _failure(lines)
         time.sleep(0.01)
+
+
+def _failure(lines: list[str]) -> str:
+    """What a job that ended early said: every rank's error lines (tracebacks and the lines
+    after them), then its last 40 lines (torchrun's summary)."""
+    said = [
+        "".join(lines[i : i + 12])
+        for i, line in enumerate(lines)
+        if "Traceback" in line or re.search(r"\b\w*Error\b", line)
+    ]
+    return "".join(said[-8:]) + "\n--- last lines ---\n" + "".join(lines[-40:])
 
 
 def _last_logged(log: str) -> int:
