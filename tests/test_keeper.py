@@ -303,6 +303,25 @@ def _ranks_of(launcher: psutil.Process) -> list[psutil.Process]:
     return found
 
 
+def stopped_then_read(ranks: list[psutil.Process], read: Callable[[], Any]) -> Any:
+    """SIGSTOP ``ranks``, give the keepers a second to take in what had reached them, then
+    ``read()`` (what the keepers acknowledged: a SIGKILL of the ranks now may lose none of it).
+    A rank's log line of iteration ``t`` does not say its keeper has ``t``: LowDiff+'s
+    hand-over is a background thread's."""
+    for rank in ranks:
+        rank.send_signal(signal.SIGSTOP)
+    time.sleep(1.0)
+    return read()
+
+
+def replicas_acknowledged(sockets: list[str]) -> int:
+    """The newest iteration every rank's LowDiff+ replica in these keepers can be recovered to
+    (held input, else merged; the ranks' own replicas, not the ring's copies)."""
+    rows = [r for s in sockets for r in query(s)["replicas"]]
+    assert rows, sockets
+    return min(r["merged"] if r["held"] is None else r["held"] for r in rows)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("writes_log", [False, True], ids=["ranks_write", "keeper_writes"])
 def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path, writes_log):
@@ -385,8 +404,8 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
     with TwoNodes(tmp_path, [*common, *diff]) as job:
         # What node 0's keeper holds of both ranks (its own, and its copy of node 1's) when
         # node 1 dies: none of it may be lost.
-        held = job.three_faults(
-            lambda: min(c["last"] for c in query(job.keeper_socket(0))["chains"])
+        _, held = job.three_faults(
+            before_node_loss=lambda: min(c["last"] for c in query(job.keeper_socket(0))["chains"])
         )
         text = job.text()
     # Rank 0 logs the recoveries (on whichever node it ran): in time order.
@@ -503,15 +522,22 @@ class TwoNodes:
         for n in self.nodes:
             assert n.wait(RUN_TIMEOUT_S) == 0, self.text()[-4000:]
 
-    def three_faults(self, before_node_loss: Callable[[], Any]) -> Any:
+    def three_faults(
+        self,
+        before_ranks_lost: Callable[[], Any] = lambda: None,
+        before_node_loss: Callable[[], Any] = lambda: None,
+    ) -> tuple[Any, Any]:
         """Three faults, each by SIGKILL, then the job's end: after iteration 11 both ranks
-        (torchrun restarts them); after 21 node 1 whole, started again with a fresh keeper
-        (``before_node_loss()`` runs first: its result is returned); after 31 everything, both
-        nodes started again."""
+        (torchrun restarts them); after 21 node 1 whole, started again with a fresh keeper;
+        after 31 everything, both nodes started again. ``before_ranks_lost()`` runs with both
+        ranks stopped (:func:`stopped_then_read`), ``before_node_loss()`` before node 1 dies:
+        their results are returned."""
         self.logged(11)
-        self.kill(self.ranks())
+        ranks = self.ranks()
+        seen = stopped_then_read(ranks, before_ranks_lost)
+        self.kill(ranks)
         self.logged(21)
-        seen = before_node_loss()
+        seen = (seen, before_node_loss())
         self.restart_node(1)
         self.logged(31)
         self.restart_all()

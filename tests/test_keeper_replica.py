@@ -26,7 +26,9 @@ from test_keeper import (
     TwoNodes,
     _assert_ends_as_straight,
     _ranks_of,
+    replicas_acknowledged,
     start_keeper,
+    stopped_then_read,
 )
 
 from megatron_diffckpt.capture import record_grads, set_step_inputs
@@ -391,7 +393,8 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     tmp_path,
 ):
     """SIGKILL of both ranks after iteration 11 (bases every 5): the restart recovers, from
-    the keepers, the newest iteration rank 0 logged or the next (storage holds base 10). Then
+    the keepers, no less than they acknowledged of both ranks before the kill (storage holds
+    base 10; it is not read). Then
     the whole launcher, keeper included, dies after 17: the next launch's keeper is empty, and
     the job recovers from storage: the newest published base, then the diff log the keepers
     wrote, to the newest iteration both ranks' logs hold. The keepers write the bases' files.
@@ -403,6 +406,8 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
         _wait_logged(lines, 11, proc)
         victims = _ranks_of(psutil.Process(proc.pid))
         assert len(victims) == 2, victims
+        sock = re.findall(r"keeper: listening on (\S+), memory cap", "".join(lines))[-1]
+        acked = stopped_then_read(victims, lambda: replicas_acknowledged([sock]))
         for p in victims:
             p.send_signal(signal.SIGKILL)
         _wait_logged(lines, 17, proc)
@@ -418,7 +423,8 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     got = re.search(r"recovery: iteration (\d+) from the replica in the node's keeper", first)
     assert got is not None, first[-3000:]
     before = _last_logged(first[: got.start()])
-    assert 11 <= before <= int(got[1]) <= before + 1  # nothing a keeper acknowledged is lost
+    # nothing the keeper acknowledged is lost; nothing rank 0 did not reach is made up
+    assert 1 <= acked <= int(got[1]) <= before + 1, (acked, int(got[1]), before)
     assert "loaded checkpoint from" not in first
     # the keepers wrote the bases' files (--diffckpt-plus-keeper-writes-bases; the ranks
     # planned and published them)
@@ -450,7 +456,8 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
     """One machine as two nodes (:class:`test_keeper.TwoNodes`: two node launchers, keepers in a
     ring, one rank each), LowDiff+ with its replica in the keepers, bases every 10:
 
-    1. after iteration 11, both ranks SIGKILLed: they recover T1 >= 11 from their keepers;
+    1. after iteration 11, both ranks SIGKILLed: they recover T1 from their keepers, no less
+       than what the keepers acknowledged of both before the kill;
     2. after 21, node 1 lost whole: its rank is stopped (so that its keeper's last copies reach
        node 0), then launcher, keeper, agent and rank are SIGKILLed and the node started again
        with a fresh keeper, which adopts node 0's copy of its rank's replica; both ranks recover
@@ -466,22 +473,26 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
         def before_node_loss() -> int:
             """Node 1's rank stopped, its keeper's last copies reach node 0: the newest
             iteration node 0's keeper can give of each rank, the older of the two."""
-            for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
-                rank.send_signal(signal.SIGSTOP)
-            time.sleep(1.0)
-            kept = query(job.keeper_socket(0))
-            assert len(kept["replicas"]) == 1 and len(kept["copies"]) == 1, kept
-            return min(r["merged"] if r["held"] is None else r["held"] for r in
-                       kept["replicas"] + kept["copies"])  # fmt: skip
 
-        held = job.three_faults(before_node_loss)
+            def read() -> int:
+                kept = query(job.keeper_socket(0))
+                assert len(kept["replicas"]) == 1 and len(kept["copies"]) == 1, kept
+                return min(r["merged"] if r["held"] is None else r["held"] for r in
+                           kept["replicas"] + kept["copies"])  # fmt: skip
+
+            return stopped_then_read(_ranks_of(psutil.Process(job.nodes[1].pid)), read)
+
+        acked, held = job.three_faults(
+            lambda: replicas_acknowledged([job.keeper_socket(0), job.keeper_socket(1)]),
+            before_node_loss,
+        )
         text = job.text()
     found = re.findall(
         r"\[rank0\] (\d\d:\d\d:\d\d) recovery: iteration (\d+) from the replica in (.*?) in ",
         text,
     )
     (t1, tier1), (t2, tier2) = [(int(t), tier) for _, t, tier in sorted(found)]
-    assert t1 >= 11 and tier1 == "the node's keeper", found
+    assert t1 >= acked >= 1 and tier1 == "the node's keeper", (found, acked)
     assert t2 >= max(held, t1 + 1), (found, held)
     assert tier2 in ("the node's keeper", "the keeper of node 0 (a peer)"), found
     adopted = re.findall(r"keeper: adopted the replica of (rank_\S+) at iteration (\d+)", text)
