@@ -19,7 +19,16 @@ import psutil
 import pytest
 import torch
 from launch import assert_same_state, load_dumps, run_cli
-from test_keeper import ME, TwoNodes, _ranks_of, _wait_for, record, start_keeper
+from test_keeper import (
+    ME,
+    TwoNodes,
+    _ranks_of,
+    _wait_for,
+    chains_acknowledged,
+    record,
+    replicas_acknowledged,
+    start_keeper,
+)
 from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
 
 from megatron_diffckpt import keeper_base
@@ -507,10 +516,11 @@ def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_
     and started again with a fresh keeper, which adopts node 0's copy of its rank's replica:
     both ranks recover the same iteration from replicas (nothing replayed, no base read), and
     the run ends equal to an uninterrupted one."""
-    text = _node_1_lost_whole(
+    text, acked = _node_1_lost_whole(
         tmp_path,
         ["--diffckpt-keeper-replica"],
         lambda held: [c["system"] for c in held["copies"]] == ["LowDiff"],
+        lambda sock: replicas_acknowledged([sock], 2, copies=True),
     )
     adopted = re.findall(
         r"keeper: adopted the replica of (rank_\S+) at iteration (\d+).* from the keeper of "
@@ -525,7 +535,8 @@ def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_
     )
     assert got is not None, text[-4000:]
     assert got[2] in ("the node's keeper", "the keeper of node 0 (a peer)"), got[0]
-    assert int(got[1]) >= 12 and int(got[1]) - int(adopted[0][1]) in (0, 1), (got[0], adopted)
+    assert int(got[1]) >= acked >= 11, (got[0], acked)  # nothing node 0's keeper held is lost
+    assert int(got[1]) - int(adopted[0][1]) in (0, 1), (got[0], adopted)
     assert "replayed 0 differential(s)" in text and "loaded checkpoint from" not in text
     _assert_ends_as_straight(tmp_path, int(got[1]))
 
@@ -539,8 +550,11 @@ def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_pat
     with a fresh keeper, which adopts node 0's copy of its rank's base: both ranks recover from
     the keepers' base 10 (no base read from storage), replay the differentials after it (node
     1's from node 0's copy), and the run ends equal to an uninterrupted one."""
-    text = _node_1_lost_whole(
-        tmp_path, [], lambda held: any(b["copy"] and b["iteration"] == 10 for b in held["bases"])
+    text, acked = _node_1_lost_whole(
+        tmp_path,
+        [],
+        lambda held: any(b["copy"] and b["iteration"] == 10 for b in held["bases"]),
+        lambda sock: chains_acknowledged([sock], 2),
     )
     adopted = re.findall(
         r"keeper: adopted the base of (rank_\S+) at iteration (\d+) from the keeper of node 0 "
@@ -557,16 +571,22 @@ def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_pat
     assert got[1] in ("the node's keeper", "the keeper of node 0 (a peer)"), got[0]
     assert "loaded checkpoint from" not in text  # no rank read a base from storage
     recovered = int(re.search(r"recovered to iteration (\d+)", text)[1])
-    assert recovered >= 12
+    assert recovered >= acked >= 11, (recovered, acked)  # nothing node 0's keeper held is lost
     _assert_ends_as_straight(tmp_path, recovered)
 
 
-def _node_1_lost_whole(tmp_path: Path, flags: list[str], copied: Callable[[dict], bool]) -> str:
+def _node_1_lost_whole(
+    tmp_path: Path,
+    flags: list[str],
+    copied: Callable[[dict], bool],
+    acknowledged: Callable[[str], int],
+) -> tuple[str, int]:
     """LowDiff on one machine as two nodes (keepers in a ring), bases every 5, with ``flags``:
     after iteration 12 node 1's rank is stopped (its keeper's last copies go out), and once
     node 0's keeper holds what ``copied`` (of its stats) asks, node 1 is lost whole
-    (launcher, keeper, agent, rank SIGKILLed) and started again with a fresh keeper; the log
-    of the job, which ran to its end."""
+    (launcher, keeper, agent, rank SIGKILLed) and started again with a fresh keeper. The log
+    of the job, which ran to its end, and what ``acknowledged(node 0's keeper's socket)`` read
+    just before node 1 died."""
     common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
@@ -577,6 +597,7 @@ def _node_1_lost_whole(tmp_path: Path, flags: list[str], copied: Callable[[dict]
             rank.send_signal(signal.SIGSTOP)
         time.sleep(1.0)
         _wait_for(lambda: copied(query(job.keeper_socket(0))), "node 1's copies at node 0")
+        acked = acknowledged(job.keeper_socket(0))
         job.restart_node(1)
         job.wait()
-        return job.text()
+        return job.text(), acked

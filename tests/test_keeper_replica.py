@@ -34,7 +34,7 @@ from test_keeper import (
 from megatron_diffckpt.capture import record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import KeeperClient, KeeperState, query, stop
+from megatron_diffckpt.keeper import KeeperClient, KeeperState, stop
 from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
 from megatron_diffckpt.keeper_replica import HostedReplica, HostedReplicas, ReplicaLog
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
@@ -407,7 +407,7 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
         victims = _ranks_of(psutil.Process(proc.pid))
         assert len(victims) == 2, victims
         sock = re.findall(r"keeper: listening on (\S+), memory cap", "".join(lines))[-1]
-        acked = stopped_then_read(victims, lambda: replicas_acknowledged([sock]))
+        acked = stopped_then_read(victims, lambda: replicas_acknowledged([sock], 2))
         for p in victims:
             p.send_signal(signal.SIGKILL)
         _wait_logged(lines, 17, proc)
@@ -472,18 +472,15 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
 
         def before_node_loss() -> int:
             """Node 1's rank stopped, its keeper's last copies reach node 0: the newest
-            iteration node 0's keeper can give of each rank, the older of the two."""
-
-            def read() -> int:
-                kept = query(job.keeper_socket(0))
-                assert len(kept["replicas"]) == 1 and len(kept["copies"]) == 1, kept
-                return min(r["merged"] if r["held"] is None else r["held"] for r in
-                           kept["replicas"] + kept["copies"])  # fmt: skip
-
-            return stopped_then_read(_ranks_of(psutil.Process(job.nodes[1].pid)), read)
+            iteration node 0's keeper can give of each rank (its own and its copy of node 1's),
+            the older of the two."""
+            return stopped_then_read(
+                _ranks_of(psutil.Process(job.nodes[1].pid)),
+                lambda: replicas_acknowledged([job.keeper_socket(0)], 2, copies=True),
+            )
 
         acked, held = job.three_faults(
-            lambda: replicas_acknowledged([job.keeper_socket(0), job.keeper_socket(1)]),
+            lambda: replicas_acknowledged([job.keeper_socket(0), job.keeper_socket(1)], 2),
             before_node_loss,
         )
         text = job.text()
