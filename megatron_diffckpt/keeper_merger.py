@@ -88,7 +88,16 @@ class KeeperReplicaMerger(QueuedMerges):
         return tensor
 
     def attach(self, snapshotter: BucketSnapshotter) -> None:
+        """Take ``snapshotter``'s slots back as the keeper releases them; and make each
+        iteration's first gradient reduction wait, before it is issued, until the previous
+        iteration is handed over. No rank can then finish an iteration, nor hand it over,
+        before every rank handed over the one before it: ranks killed at any moment are at
+        most one iteration apart in their keepers, which each offer two (the replica and the
+        input it holds), so all of them recover from the keepers. The hand-over has the next
+        iteration's forward pass to finish in; a wait counts in the snapshotter's
+        ``slot_wait_seconds``."""
         self.snapshotter = snapshotter
+        snapshotter.before_iteration = self.wait_idle
 
     # ----------------------------------------------------------------- training thread
     def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:

@@ -18,12 +18,11 @@ replica lives in the keeper instead (:mod:`~megatron_diffckpt.keeper`), and so d
    node.
 3. **One behind.** The keeper steps its replica with iteration ``t`` only when ``t + 1`` arrives
    (or a base, or a recovery, asks for it), then gives ``t``'s slot back. A rank can therefore
-   be recovered to ``M`` (what the replica holds) or ``M + 1`` (the input it holds). Hand-overs
-   run on a background thread, bounded by the slots (``--diffckpt-max-pending``): ranks that
-   die with their hand-overs at most one iteration apart (the usual case: every rank's thread
-   sends as soon as its slot is filled) all reach the newest iteration every one of them
-   handed over; further apart, no common iteration is left in every keeper, and every rank
-   recovers from storage.
+   be recovered to ``M`` (what the replica holds) or ``M + 1`` (the input it holds): ranks die
+   at most one iteration apart (each iteration's first gradient reduction waits, before it is
+   issued, for the rank's hand-over of the previous iteration:
+   :meth:`~megatron_diffckpt.keeper_merger.KeeperReplicaMerger.attach`), so every rank can
+   reach the newest iteration all of them handed over.
 4. **Bases.** At a base the rank asks for everything up to its iteration to be merged, and reads
    the replica through its own mapping of the pages (the keeper is idle then: nothing later was
    handed over); the persist path is LowDiff+'s own.

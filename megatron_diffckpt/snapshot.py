@@ -176,6 +176,12 @@ class BucketSnapshotter:
         final values (gradients changed after their bucket's reduction)."""
         self.slot_wait_seconds = 0.0
         """Time the training thread waited for a free slot (the merger's backlog), cumulative."""
+        self.before_iteration: Callable[[], None] | None = None
+        """Called on the training thread before an iteration's slot is taken, at its first
+        bucket (:meth:`before_reduction`, else :meth:`on_bucket_ready`): the keeper's merger
+        waits there for the previous iteration's hand-over
+        (:meth:`~megatron_diffckpt.keeper_merger.KeeperReplicaMerger.attach`). Its time counts
+        in :attr:`slot_wait_seconds`."""
         self._path_seconds = 0.0
         self.iteration_path_seconds = 0.0
         """Training-thread time spent here in the last finished iteration: issuing copies,
@@ -187,6 +193,14 @@ class BucketSnapshotter:
         return len(self._slots)
 
     # ----------------------------------------------------------------- training thread
+    def before_reduction(self) -> None:
+        """A bucket group's reduction is about to be issued: the iteration's first takes its
+        slot now, so that :attr:`before_iteration` runs before this rank's first collective
+        of the iteration."""
+        start = time.perf_counter()
+        self._slot()
+        self._path_seconds += time.perf_counter() - start
+
     def on_bucket_ready(self, key: str, source: torch.Tensor, handle: Any = None) -> None:
         """The reduction of bucket ``key`` was started (``handle``) or is done (``None``).
 
@@ -293,6 +307,10 @@ class BucketSnapshotter:
     def _slot(self) -> SnapshotSlot:
         self._ensure_trace()
         if self._current is None:
+            if self.before_iteration is not None:
+                start = time.perf_counter()
+                self.before_iteration()
+                self.slot_wait_seconds += time.perf_counter() - start
             try:
                 index = self._free.get_nowait()
             except queue.Empty:

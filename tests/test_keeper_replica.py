@@ -34,7 +34,7 @@ from test_keeper import (
 from megatron_diffckpt.capture import record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import KeeperClient, KeeperState, stop
+from megatron_diffckpt.keeper import KeeperClient, KeeperState, query, stop
 from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
 from megatron_diffckpt.keeper_replica import HostedReplica, HostedReplicas, ReplicaLog
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
@@ -185,6 +185,51 @@ def test_a_rank_hands_iterations_to_a_keeper_process_and_reads_its_replica(tmp_p
         client.close()
         snapshotter.close()
     finally:
+        stop(sock)
+        proc.wait(30)
+
+
+def test_an_iterations_first_reduction_waits_for_the_previous_hand_over(tmp_path):
+    """The bound on how far apart ranks' keepers can be: with the keeper stopped, iteration 1
+    is handed over but not acknowledged, and iteration 2's first gradient reduction does not
+    start; once the keeper runs again, it does, with 1 held by the keeper."""
+    sock = str(tmp_path / "keeper.sock")
+    proc = start_keeper(sock)
+    try:
+        client = KeeperClient(sock, SegmentIdentity("run", 0, 0, 1, "layout"))
+        merger = KeeperReplicaMerger(client, _layout())
+        snapshotter = BucketSnapshotter(
+            {"b0": (NUMEL, torch.float32)}, slots=3, buffer=merger.slot_buffer
+        )
+        merger.attach(snapshotter)
+        train = _training_optimizer()
+        merger.anchor([train], 0)
+        grads = torch.empty(NUMEL)
+        request = _step(train, grads, 1)
+        snapshotter.before_reduction()  # iteration 1's: nothing was handed over before it
+        snapshotter.on_bucket_ready("b0", grads)
+        proc.send_signal(signal.SIGSTOP)
+        merger.submit(
+            MergeJob(1, snapshotter.finish_iteration(1), StepInputs(request["groups"], {}), 1, 8,
+                     ({}, {}))
+        )  # fmt: skip
+        second = threading.Thread(target=snapshotter.before_reduction)
+        second.start()
+        second.join(1.0)
+        stopped_keeper_held_it_back = second.is_alive()
+        proc.send_signal(signal.SIGCONT)
+        second.join(30)
+        assert stopped_keeper_held_it_back and not second.is_alive()
+        (row,) = query(sock)["replicas"]
+        assert (row["merged"], row["held"]) == (0, 1)
+        assert snapshotter.slot_wait_seconds > 0
+        snapshotter.on_bucket_ready("b0", grads)
+        snapshotter.finish_iteration(2)
+        merger.close()
+        client.close()
+        snapshotter.close()
+    finally:
+        proc.send_signal(signal.SIGCONT)
         stop(sock)
         proc.wait(30)
 

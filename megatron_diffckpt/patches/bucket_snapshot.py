@@ -266,6 +266,7 @@ def attach(model_chunks: list[Any], optimizer: Any, snapshotter: BucketSnapshott
                 force_all_reduce=False, _original=original, _group=bucket_group, _lock=lock,
                 _current=current,
             ):  # fmt: skip
+                snapshotter.before_reduction()
                 _original(force_all_reduce=force_all_reduce)
                 handle = _group.grad_reduce_handle
                 if handle is not None and any(r.handle is handle for r in _current):
