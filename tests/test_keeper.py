@@ -306,8 +306,8 @@ def _ranks_of(launcher: psutil.Process) -> list[psutil.Process]:
 def stopped_then_read(ranks: list[psutil.Process], read: Callable[[], Any]) -> Any:
     """SIGSTOP ``ranks``, give the keepers a second to take in what had reached them, then
     ``read()`` (what the keepers acknowledged: a SIGKILL of the ranks now may lose none of it).
-    A rank's log line of iteration ``t`` does not say its keeper has ``t``: LowDiff+'s
-    hand-over is a background thread's."""
+    Rank 0's log line of iteration ``t`` does not say every rank's keeper has ``t``: another
+    rank may not have handed it over yet (LowDiff+'s hand-over is a background thread's)."""
     for rank in ranks:
         rank.send_signal(signal.SIGSTOP)
     time.sleep(1.0)
@@ -343,8 +343,8 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path, w
     keeper the rest (read with the ranks stopped, before the kill); the restarted ranks recover
     to no less than every rank's keeper acknowledged, and the run ends equal to an
     uninterrupted one (``torch.equal``). With ``--diffckpt-keeper-writes-log`` the keeper
-    writes the log, and the part batch of each
-    killed rank as its connection ends: storage alone then serves the whole recovery."""
+    writes the log, and the part batch of each killed rank as its connection ends: storage
+    alone then serves the whole recovery."""
     total, kill_after = 16, 11
     ckpt, common, diff = _straight_run_and_flags(tmp_path, total, batch=8)
     diff += ["--diffckpt-keeper-writes-log"] if writes_log else []
