@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from test_keeper import (
     record,
     replicas_acknowledged,
     start_keeper,
+    stopped_then_read,
 )
 from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
 
@@ -593,11 +593,12 @@ def _node_1_lost_whole(
     diff += ["--diffckpt-full-interval", "5", "--dump-state", str(tmp_path / "resumed"), *flags]
     with TwoNodes(tmp_path, [*common, *diff]) as job:
         job.logged(12)
-        for rank in _ranks_of(psutil.Process(job.nodes[1].pid)):
-            rank.send_signal(signal.SIGSTOP)
-        time.sleep(1.0)
-        _wait_for(lambda: copied(query(job.keeper_socket(0))), "node 1's copies at node 0")
-        acked = acknowledged(job.keeper_socket(0))
+
+        def read() -> int:
+            _wait_for(lambda: copied(query(job.keeper_socket(0))), "node 1's copies at node 0")
+            return acknowledged(job.keeper_socket(0))
+
+        acked = stopped_then_read(_ranks_of(psutil.Process(job.nodes[1].pid)), read)
         job.restart_node(1)
         job.wait()
         return job.text(), acked

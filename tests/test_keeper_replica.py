@@ -29,6 +29,7 @@ from test_keeper import (
     TwoNodes,
     _assert_ends_as_straight,
     _ranks_of,
+    keeper_socket_in,
     replicas_acknowledged,
     start_keeper,
     stopped_then_read,
@@ -447,7 +448,7 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
         _wait_logged(lines, 11, proc)
         victims = _ranks_of(psutil.Process(proc.pid))
         assert len(victims) == 2, victims
-        sock = re.findall(r"keeper: listening on (\S+), memory cap", "".join(lines))[-1]
+        sock = keeper_socket_in("".join(lines))
         acked = stopped_then_read(victims, lambda: replicas_acknowledged([sock], 2))
         for p in victims:
             p.send_signal(signal.SIGKILL)
