@@ -48,6 +48,7 @@ $(MLM_STAMP): $(STAMP) requirements/megatron-lm.txt
 # The test suite (what .ci/run runs), Megatron-LM's training loop included when a checkout is found.
 test: $(STAMP) $(if $(MEGATRON_LM),$(MLM_STAMP))
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/lint-imports --no-logo
 	MEGATRON_LM="$(MEGATRON_LM)" $(VENV)/bin/python -m pytest --durations=20 tests
 
 # The whole suite against megatron-core 0.19.0 on Python 3.12 (its own venv and pins).
@@ -66,6 +67,7 @@ test-newest: $(STAMP_NEWEST)
 # The inner loop: the tests that start no training processes (about a minute).
 test-quick: $(STAMP)
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/python -m pytest -q -m "not distributed" tests
 
 # The benchmarks (about 2 hours on 2 cores); results in benchmarks/results/.
@@ -95,6 +97,7 @@ megatron-lm-test: $(MLM_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/ruff format --check megatron_diffckpt examples tests benchmarks
 
 clean:

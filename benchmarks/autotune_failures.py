@@ -127,8 +127,8 @@ def main() -> int:
         "--diffckpt-batch-size",
         str(START[1]),
         "--diffckpt-auto-tune",
-        "--diffckpt-retune-interval",
-        "10",
+        "--diffckpt-option",
+        "retune_interval=10",
         "--diffckpt-mtbf-hours",
         str(args.mtbf / 3600.0),
     ]

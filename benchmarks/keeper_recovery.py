@@ -17,20 +17,22 @@ One invocation; the configurations run interleaved round by round (the order rot
 - ``plus_log``: LowDiff+ in the ranks with the dense diff log (today's per-iteration
   recoverability from storage);
 - ``plus_keeper``: LowDiff+ with its replica and merger in the node's keeper
-  (``--diffckpt-plus-keeper-replica`` under the node launcher), which also writes the dense
+  (``--diffckpt-keeper auto`` under ``megatron-diffckpt-launch``), which also writes the dense
   diff log from its merges (per-iteration recoverability from storage too, as ``plus_log``);
-- ``plus_keeper_bases``: the same without the diff log (``--diffckpt-plus-no-diff-log``: the
+- ``plus_keeper_bases``: the same without the diff log (``--diffckpt-option diff_log=false``: the
   keepers' memory and the bases only);
 - ``plus_keeper_f1``: ``plus_keeper_bases`` with a base every iteration, its files written by
-  the keepers (``--diffckpt-plus-keeper-writes-bases``); ``plus_keeper_f1_ranks``: the same
+  the keepers (``--diffckpt-option keeper_writes_bases=true``); ``plus_keeper_f1_ranks``: the same
   written by the ranks (the default): what moving the writing out of the ranks costs or saves;
 - ``lowdiff``: LowDiff (top-k exchange) with storage only, as without a keeper;
 - ``lowdiff_keeper``: LowDiff under the node launcher: every differential and every base also
-  in the node's keeper;
-- ``lowdiff_keeper_replica``: the same with ``--diffckpt-keeper-replica``: the keeper also
-  steps a copy of the newest kept base with every differential, one behind;
-- ``lowdiff_keeper_log``: ``lowdiff_keeper`` with the keepers writing the diff log
-  (``--diffckpt-keeper-writes-log``) instead of the ranks;
+  in the node's keeper (``keeper_replica=false,keeper_writes_log=false``);
+- ``lowdiff_keeper_replica``: the same with the keeper's replica: the keeper also steps a copy
+  of the newest kept base with every differential, one behind;
+- ``lowdiff_keeper_log``: ``lowdiff_keeper`` with the keepers writing the diff log instead of
+  the ranks;
+- ``lowdiff_keeper_auto``: LowDiff under the node launcher with ``--diffckpt-keeper auto``
+  alone (kept bases, the keepers' replicas, the keepers writing the log);
 - ``lowdiff_dense_keeper`` and ``lowdiff_dense_keeper_log``: the same two with the dense
   exchange (no compression: every record is the rank's whole gradient shard), where writing
   the log costs what it costs LowDiff+.
@@ -93,32 +95,32 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
     """name -> (pretrain_gpt flags, under the node launcher with a keeper)."""
     saved = ["--diffckpt-mode", "lowdiff-plus", "--save", ckpt, "--load", ckpt]
     plus = [*saved, "--diffckpt-full-interval", str(BASE_INTERVAL)]
-    plus_f1 = [*saved, "--diffckpt-full-interval", "1", "--diffckpt-plus-no-diff-log"]
+    no_log = ["--diffckpt-option", "diff_log=false"]
+    plus_f1 = [*saved, "--diffckpt-full-interval", "1", *no_log]
     dense = ["--diffckpt-mode", "lowdiff", "--save", ckpt, "--load", ckpt]
     dense += ["--diffckpt-full-interval", str(BASE_INTERVAL)]
     lowdiff = [*TOPK, *dense]
-    log = "--diffckpt-keeper-writes-log"
+    # under a keeper, --diffckpt-keeper auto gives LowDiff kept bases, the keeper's replica
+    # and its writing of the log, and LowDiff+ its replica: each configuration names its own
+    only_base = ["--diffckpt-option", "keeper_replica=false,keeper_writes_log=false"]
+    replica = ["--diffckpt-option", "keeper_writes_log=false"]
+    log = ["--diffckpt-option", "keeper_replica=false"]
     return {
         "none": ([], False),
-        "plus_bases": ([*plus, "--diffckpt-plus-no-diff-log"], False),
+        "plus_bases": ([*plus, *no_log], False),
         "plus_log": (plus, False),
-        "plus_keeper": ([*plus, "--diffckpt-plus-keeper-replica"], True),
-        "plus_keeper_bases": (
-            [*plus, "--diffckpt-plus-keeper-replica", "--diffckpt-plus-no-diff-log"],
-            True,
-        ),
+        "plus_keeper": (plus, True),
+        "plus_keeper_bases": ([*plus, *no_log], True),
         # a base every iteration (no diff log): its files written by the keepers, or by the ranks
-        "plus_keeper_f1": (
-            [*plus_f1, "--diffckpt-plus-keeper-replica", "--diffckpt-plus-keeper-writes-bases"],
-            True,
-        ),
-        "plus_keeper_f1_ranks": ([*plus_f1, "--diffckpt-plus-keeper-replica"], True),
+        "plus_keeper_f1": ([*plus_f1, "--diffckpt-option", "keeper_writes_bases=true"], True),
+        "plus_keeper_f1_ranks": (plus_f1, True),
         "lowdiff": (lowdiff, False),
-        "lowdiff_keeper": (lowdiff, True),
-        "lowdiff_keeper_replica": ([*lowdiff, "--diffckpt-keeper-replica"], True),
-        "lowdiff_keeper_log": ([*lowdiff, log], True),
-        "lowdiff_dense_keeper": (dense, True),
-        "lowdiff_dense_keeper_log": ([*dense, log], True),
+        "lowdiff_keeper": ([*lowdiff, *only_base], True),
+        "lowdiff_keeper_replica": ([*lowdiff, *replica], True),
+        "lowdiff_keeper_log": ([*lowdiff, *log], True),
+        "lowdiff_keeper_auto": (lowdiff, True),
+        "lowdiff_dense_keeper": ([*dense, *only_base], True),
+        "lowdiff_dense_keeper_log": ([*dense, *log], True),
     }
 
 
@@ -131,6 +133,7 @@ KILLED = {  # configuration -> the fail point that kills rank 1
     "lowdiff_keeper": f"iteration-end:{KILL_AT - 1}@1",
     "lowdiff_keeper_replica": f"iteration-end:{KILL_AT - 1}@1",
     "lowdiff_keeper_log": f"iteration-end:{KILL_AT - 1}@1",
+    "lowdiff_keeper_auto": f"iteration-end:{KILL_AT - 1}@1",
     "lowdiff_dense_keeper": f"iteration-end:{KILL_AT - 1}@1",
     "lowdiff_dense_keeper_log": f"iteration-end:{KILL_AT - 1}@1",
 }

@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO))
 from megatron_diffckpt.storage.reader import list_segments, read_segment  # noqa: E402
 
 PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
-NODE_LAUNCHER = REPO / "examples" / "gpt" / "node_launcher.py"
+LAUNCH = Path(sys.executable).parent / "megatron-diffckpt-launch"
 KEEPER_MIB = "2048"  # the keeper's cap: it holds every record of the measured window
 RESULTS = REPO / "benchmarks" / "results"
 NPROC = 2
@@ -122,7 +122,14 @@ def configs(ckpt: str) -> dict[str, list[str]]:
         "topk": TOPK,
         "lowdiff_b1": [*lowdiff, "--diffckpt-batch-size", "1"],
         "lowdiff_b8": [*lowdiff, "--diffckpt-batch-size", "8"],
-        "lowdiff_b8_keeper": [*lowdiff, "--diffckpt-batch-size", "8"],  # run(keeper=True)
+        # run(keeper=True); the keeper holds the differentials and bases only
+        "lowdiff_b8_keeper": [
+            *lowdiff,
+            "--diffckpt-batch-size",
+            "8",
+            "--diffckpt-option",
+            "keeper_replica=false,keeper_writes_log=false",
+        ],  # fmt: skip
         "stock_sync": stock,
         "stock_async": [*stock, "--async-save"],
     }
@@ -151,7 +158,7 @@ def run(
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     if keeper:
-        cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", KEEPER_MIB]
+        cmd = [str(LAUNCH), "--keeper-memory", KEEPER_MIB]
         cmd += ["--standalone"]
     cmd += [f"--nproc-per-node={NPROC}", f"--max-restarts={restarts}", str(PRETRAIN_GPT), *args]
     start = time.perf_counter()

@@ -14,7 +14,7 @@ round, so that drift of the machine hits them alike. Each trains the same uncomp
   snapshots merged into the host replica, every merged step appended to the diff log (dense,
   exact), a base written from the replica every ``PLUS_BASE_INTERVAL`` iterations;
 - ``plus_buffered``: the same with the diff log written through the page cache
-  (``--diffckpt-buffered-io``) instead of direct I/O;
+  (``--diffckpt-option buffered_io=true``) instead of direct I/O;
 - ``plus_nolog``: the same without the diff log (a recoverable state at every base only);
 - ``plus_f1``: LowDiff+ writing a base from the replica every iteration (no diff log): what a
   base costs, side by side with
@@ -88,9 +88,9 @@ def configs(ckpt: str, with_pp2: bool) -> dict[str, list[str]]:
     names = {
         "none": [],
         "plus": [*plus, *bases],
-        "plus_buffered": [*plus, *bases, "--diffckpt-buffered-io"],
-        "plus_nolog": [*plus, *bases, "--diffckpt-plus-no-diff-log"],
-        "plus_f1": [*plus, "--diffckpt-full-interval", "1", "--diffckpt-plus-no-diff-log"],
+        "plus_buffered": [*plus, *bases, "--diffckpt-option", "buffered_io=true"],
+        "plus_nolog": [*plus, *bases, "--diffckpt-option", "diff_log=false"],
+        "plus_f1": [*plus, "--diffckpt-full-interval", "1", "--diffckpt-option", "diff_log=false"],
         "stock_sync": every,
         "stock_async": [*every, "--async-save"],
         "dcp_async": [*every, "--ckpt-format", "torch_dcp", "--async-save"],

@@ -1,7 +1,7 @@
 """Online tuning of the base interval F and the write batch B (``--diffckpt-auto-tune``).
 
 :class:`OnlineTuner` collects what the cost model (:mod:`megatron_diffckpt.tuning`) needs while
-training runs; every ``--diffckpt-retune-interval`` iterations it re-derives (F, B) from the
+training runs; every ``--diffckpt-option retune_interval`` iterations it re-derives (F, B) from the
 medians of the recent measurements:
 
 ==========================  ======================================================================

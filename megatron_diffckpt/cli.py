@@ -169,7 +169,7 @@ def _print_keeper(k: dict) -> None:
         f"{k['memory'] / 2**20:.1f} MiB, {k['evicted']} evicted"
     )
     ring = k.get("peer")
-    if ring is not None:  # --diffckpt-keeper-peers
+    if ring is not None:  # --keeper-peers
         print(
             f"  ring: copies to the keeper of node {ring['successor']}; waiting "
             f"{ring['waiting']} message(s), {ring['waiting_heap'] / 2**20:.1f} MiB in memory and "
@@ -195,7 +195,7 @@ def _print_keeper(k: dict) -> None:
             f"  rank_{b['tp_rank']}_{b['pp_rank']}_{b['dp_rank']}: {kind} of iteration "
             f"{b['iteration']}, {b['bytes'] / 2**20:.1f} MiB (run {b['run_id'][:8]})"
         )
-    for g in k.get("logs", []):  # LowDiff logs the keeper writes (--diffckpt-keeper-writes-log)
+    for g in k.get("logs", []):  # LowDiff's logs the keeper writes (option keeper_writes_log)
         print(
             f"  rank_{g['tp_rank']}_{g['pp_rank']}_{g['dp_rank']}: diff log written here, "
             f"durable to {g['durable']}, {g['segments']} segment(s), "
@@ -408,7 +408,8 @@ def _plot_sweep(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``megatron-diffckpt`` command line (its subcommands and their flags)."""
     parser = argparse.ArgumentParser(prog="megatron-diffckpt", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (
@@ -454,7 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--diff-dir", default=None, help="the diff log (default DIR/diffckpt)")
     p.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
     _add_tune_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "tune":
         return _tune(args)
     if not os.path.isdir(args.dir):

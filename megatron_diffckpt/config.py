@@ -1,10 +1,17 @@
 """``DiffCkptConfig``: every setting of differential checkpointing, and its ``--diffckpt-*`` flags.
 
-The flags are generated from the dataclass (name, type, default, choices, help from the field's
-docstring), so a setting is written once. Validation lives in ``__post_init__`` (rules between
-``--diffckpt-*`` flags) and :meth:`DiffCkptConfig.check_launch` (rules between them and the
-Megatron flags of a launch); both training entries call these, and no other place holds a rule
-between flags.
+The flags are generated from the dataclasses (name, type, default, choices, help from the field's
+docstring), so a setting is written once. :class:`DiffCkptConfig` holds what a user sets per
+launch, one flag per field; :class:`DiffCkptOptions` holds the fine-grained settings that tests,
+benchmarks and experts reach through one flag, ``--diffckpt-option NAME=VALUE``. Validation lives
+in ``__post_init__`` (rules between settings) and :meth:`DiffCkptConfig.check_launch` (rules
+between them and the Megatron flags of a launch); both training entries call these, and no other
+place holds a rule between flags.
+
+The memory tier is one switch, ``--diffckpt-keeper {auto,off}``: under a launcher that runs a
+node keeper (``megatron-diffckpt-launch --keeper-memory MIB``), ``auto`` uses it for what
+measured best per mode (see :meth:`DiffCkptConfig.keeper_plan`); without a keeper it does
+nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import argparse
 import ast
 import inspect
 import os
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from megatron_diffckpt.errors import DiffCkptUsageError
@@ -21,6 +28,123 @@ from megatron_diffckpt.errors import DiffCkptUsageError
 MODES = ("off", "lowdiff", "lowdiff-plus")
 WHEN_FULL = ("block", "skip")
 COMPRESSORS = ("none", "topk")
+KEEPER = ("auto", "off")
+
+TRUE, FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+@dataclass
+class DiffCkptOptions:
+    """Fine-grained settings, one ``--diffckpt-option NAME=VALUE`` each. The defaults are what
+    was measured best; ``auto`` (the keeper's) lets :meth:`DiffCkptConfig.keeper_plan` decide."""
+
+    max_pending: int = 2
+    """Writes that may wait for the background writer; bounds host memory."""
+
+    host_memory_budget: int = 4096
+    """MiB of host memory the diff writer may hold; bounds the auto-tuned B."""
+
+    retune_interval: int = 50
+    """Iterations between auto-tune decisions."""
+
+    buffered_io: bool = False
+    """Write diff-log segments through the page cache. By default they are written with direct
+    I/O (O_DIRECT) wherever the filesystem takes it: no copy into the page cache and no
+    writeback on the training node's cores; a filesystem that refuses it is written buffered,
+    said once in the log."""
+
+    diff_log: bool = True
+    """lowdiff-plus: write the per-iteration differentials between bases. false: bases only
+    (recovery from storage then resumes from the newest base; a restart whose keepers live
+    still recovers the newest iteration from their replicas)."""
+
+    keeper_kept_bases: bool | None = None
+    """lowdiff under a keeper: also copy each base into the keeper's memory (held within its
+    cap), so that a restart whose ranks all find it reads no base from storage. auto: on."""
+
+    keeper_writes_log: bool | None = None
+    """lowdiff under a keeper: the keeper writes each rank's diff log from the records the rank
+    hands it (already encoded); a rank whose keeper is lost writes its log itself from the
+    newest durable iteration on. auto: on (measured per iteration as the ranks writing it)."""
+
+    keeper_replica: bool | None = None
+    """Under a keeper. lowdiff: the keeper steps a copy of each kept base with every
+    differential (one iteration behind), so a restart replays nothing; a copy over the
+    keeper's cap is refused with one warning. lowdiff-plus: the replica and its merger live in
+    the keeper, which writes the diff log. auto: on (off for lowdiff-plus with
+    --diffckpt-auto-tune, which measures the ranks' writer)."""
+
+    keeper_writes_bases: bool = False
+    """lowdiff-plus with its replica in the keeper: the keeper writes each base's files instead
+    of the rank's persister thread. Off: measured slower on hosts whose cores training keeps
+    busy (a base every iteration on 2 CPU cores: +31.8% per iteration against +21.3%)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_pending", "host_memory_budget", "retune_interval"):
+            if getattr(self, name) < 1:
+                raise DiffCkptUsageError(f"--diffckpt-option {name} must be >= 1")
+
+    @classmethod
+    def parse(cls, items: list[str] | None) -> DiffCkptOptions:
+        """The options of ``--diffckpt-option`` values (``NAME=VALUE``, several comma-separated
+        in one), each converted to its field's type; unknown names and bad values raise
+        :class:`DiffCkptUsageError` naming the option and what it takes."""
+        kinds = {f.name: str(f.type) for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for item in ",".join(items or []).split(","):
+            if not item.strip():
+                continue
+            name, sep, text = item.strip().partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in kinds:
+                raise DiffCkptUsageError(
+                    f"--diffckpt-option takes NAME=VALUE with NAME one of "
+                    f"{', '.join(kinds)}; got {item.strip()!r}"
+                )
+            values[name] = _convert(name, kinds[name], text.strip())
+        return cls(**values)
+
+    def changed(self) -> dict[str, Any]:
+        """The options set away from their defaults (for the log line of a start)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != f.default
+        }
+
+
+def _convert(name: str, kind: str, text: str) -> Any:
+    lowered = text.lower()
+    if kind.startswith("bool"):
+        if lowered in TRUE:
+            return True
+        if lowered in FALSE:
+            return False
+        if kind == "bool | None" and lowered == "auto":
+            return None
+        allowed = "true, false" + (" or auto" if kind == "bool | None" else "")
+        raise DiffCkptUsageError(f"--diffckpt-option {name} takes {allowed}; got {text!r}")
+    try:
+        return int(text)
+    except ValueError:
+        raise DiffCkptUsageError(
+            f"--diffckpt-option {name} takes an integer; got {text!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class KeeperPlan:
+    """What the node's keeper does for a rank of this launch, once a keeper was found (all
+    false without one)."""
+
+    kept_bases: bool = False
+    """lowdiff: each base is copied into the keeper."""
+    writes_log: bool = False
+    """lowdiff: the keeper writes the diff log."""
+    replica: bool = False
+    """lowdiff: the keeper steps a copy of the kept base; lowdiff-plus: the replica lives there."""
+    writes_bases: bool = False
+    """lowdiff-plus: the keeper writes the base files."""
 
 
 @dataclass
@@ -39,19 +163,16 @@ class DiffCkptConfig:
     batch_size: int = 1
     """Iterations per diff-log write (B); a crash loses at most this many iterations."""
 
-    max_pending: int = 2
-    """Writes that may wait for the background writer; bounds host memory."""
-
-    when_full: str = "block"
-    """When the diff-log writer falls behind or the storage under --save is full: block
-    (wait for the writer; a full disk stops the job with one line) or skip (drop the batch or
-    the base with one warning per incident and train on; durability waits for the next base)."""
-
     full_interval: int = 0
     """Iterations between bases (stock dist checkpoints, F); 0 uses --save-interval."""
 
     keep_bases: int = 0
     """Newest complete bases to keep, with the differentials they can replay; 0 keeps all."""
+
+    when_full: str = "block"
+    """When the diff-log writer falls behind or the storage under --save is full: block
+    (wait for the writer; a full disk stops the job with one line) or skip (drop the batch or
+    the base with one warning per incident and train on; durability waits for the next base)."""
 
     compressor: str = "none"
     """Data-parallel gradient exchange: none (megatron's dense reduction) or topk (top-k per
@@ -70,57 +191,18 @@ class DiffCkptConfig:
     mtbf_hours: float = 24.0
     """Mean time between failures of the whole job, in hours (the auto-tuner's failure rate)."""
 
-    host_memory_budget: int = 4096
-    """MiB of host memory the diff writer may hold; bounds the auto-tuned B."""
+    keeper: str = "auto"
+    """The memory tier: auto uses the node's keeper when the launcher runs one
+    (megatron-diffckpt-launch --keeper-memory MIB) for what measured best: lowdiff keeps each
+    base, a replica stepped with every differential and the diff log's writing there;
+    lowdiff-plus its replica, merger and diff log. A restart recovers from the keepers first,
+    then from storage. off: never use a keeper."""
 
-    retune_interval: int = 50
-    """Iterations between auto-tune decisions."""
-
-    buffered_io: bool = False
-    """Write diff-log segments through the page cache. By default they are written with direct
-    I/O (O_DIRECT) wherever the filesystem takes it: no copy into the page cache and no
-    writeback on the training node's cores; a filesystem that refuses it is written buffered,
-    said once in the log."""
-
-    plus_no_diff_log: bool = False
-    """lowdiff-plus: persist bases only, without the per-iteration differentials between them
-    (recovery from storage then resumes from the newest base; with
-    --diffckpt-plus-keeper-replica a restart whose keepers live still recovers the newest
-    iteration from them)."""
-
-    plus_keeper_replica: bool = False
-    """lowdiff-plus under a node launcher with a keeper (--diffckpt-keeper-memory): the replica
-    and its merger live in the node's keeper, which outlives the ranks, and the keeper writes
-    the diff log from its merges (the ranks write none); a restart recovers from the keepers
-    without reading storage, and from storage's bases and diff log when a keeper was lost
-    (without a keeper: in-process, as without this flag)."""
-
-    plus_keeper_writes_bases: bool = False
-    """lowdiff-plus with --diffckpt-plus-keeper-replica: the keeper writes each base's files
-    (the rank stages the plan's tensors in shared memory, one memcpy, and only plans and
-    finalizes bases) instead of the rank's persister thread. Off by default: on hosts whose
-    cores training keeps busy it costs more than it saves (measured on 2 CPU cores, a base
-    every iteration: +8.7% per iteration against the ranks writing); for hosts with spare
-    cores, where the rank's own interpreter is the contended resource."""
-
-    keeper_no_base: bool = False
-    """lowdiff under a node launcher with a keeper: do not stage each base in the keeper's
-    memory. By default every base is also copied there (one host copy of the optimizer shard
-    and residuals per base; held within --diffckpt-keeper-memory), so that a restart whose
-    ranks all find it reads no base from storage."""
-
-    keeper_writes_log: bool = False
-    """lowdiff under a node launcher with a keeper: the keeper writes each rank's diff log from
-    the records the rank hands it (already encoded: no second serialisation or checksum), and
-    the rank's writer only hands over, keeping each record until the keeper reports it durable;
-    a rank whose keeper is lost writes its log itself from the newest durable iteration on."""
-
-    keeper_replica: bool = False
-    """lowdiff under a node launcher with a keeper: the keeper also steps a copy of each rank's
-    newest kept base with every differential the rank hands over (one iteration behind), so
-    that a restart takes the state at the recovered iteration from it and replays nothing. It
-    costs the keeper one optimizer step per iteration and one more host copy of the optimizer
-    shard and residuals (held within --diffckpt-keeper-memory)."""
+    options: DiffCkptOptions = field(default_factory=DiffCkptOptions)
+    """NAME=VALUE[,NAME=VALUE] (repeatable): fine-grained settings for tests, benchmarks and
+    experts, each documented in the flag reference: max_pending, host_memory_budget,
+    retune_interval, buffered_io, diff_log, keeper_kept_bases, keeper_writes_log,
+    keeper_replica, keeper_writes_bases."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -129,9 +211,12 @@ class DiffCkptConfig:
             raise DiffCkptUsageError(
                 f"--diffckpt-when-full must be one of {WHEN_FULL}, got {self.when_full!r}"
             )
-        for name in ("batch_size", "max_pending"):
-            if getattr(self, name) < 1:
-                raise DiffCkptUsageError(f"--diffckpt-{name.replace('_', '-')} must be >= 1")
+        if self.keeper not in KEEPER:
+            raise DiffCkptUsageError(
+                f"--diffckpt-keeper must be one of {KEEPER}, got {self.keeper!r}"
+            )
+        if self.batch_size < 1:
+            raise DiffCkptUsageError("--diffckpt-batch-size must be >= 1")
         for name in ("full_interval", "keep_bases"):
             if getattr(self, name) < 0:
                 raise DiffCkptUsageError(f"--diffckpt-{name.replace('_', '-')} must be >= 0")
@@ -139,50 +224,88 @@ class DiffCkptConfig:
             raise DiffCkptUsageError(
                 f"--diffckpt-compressor must be one of {COMPRESSORS}, got {self.compressor!r}"
             )
-        for name in ("mtbf_hours", "host_memory_budget", "retune_interval"):
-            if getattr(self, name) <= 0:
-                raise DiffCkptUsageError(f"--diffckpt-{name.replace('_', '-')} must be > 0")
+        if self.mtbf_hours <= 0:
+            raise DiffCkptUsageError("--diffckpt-mtbf-hours must be > 0")
+        if not 0.0 < self.topk_ratio <= 1.0:
+            raise DiffCkptUsageError(
+                f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}"
+            )
         if self.mode == "lowdiff-plus" and self.compressor != "none":
             raise DiffCkptUsageError(
                 "--diffckpt-mode lowdiff-plus is for training without gradient compression; "
                 "use --diffckpt-mode lowdiff with --diffckpt-compressor topk"
             )
-        if self.mode == "lowdiff-plus" and self.auto_tune and self.plus_no_diff_log:
-            raise DiffCkptUsageError(
+        problem = self._options_problem()
+        if problem:
+            raise DiffCkptUsageError(problem)
+
+    def _options_problem(self) -> str | None:
+        o, plus = self.options, self.mode == "lowdiff-plus"
+        forced = [
+            n for n in ("keeper_kept_bases", "keeper_writes_log", "keeper_replica") if getattr(o, n)
+        ] + (["keeper_writes_bases"] if o.keeper_writes_bases else [])
+        if self.keeper == "off" and forced:
+            return (
+                f"--diffckpt-option {forced[0]}=true needs the keeper: drop --diffckpt-keeper off"
+            )
+        if not o.diff_log and not plus:
+            return "--diffckpt-option diff_log=false is for --diffckpt-mode lowdiff-plus"
+        if plus and self.auto_tune and not o.diff_log:
+            return (
                 "--diffckpt-auto-tune measures the diff log to choose between it and bases "
-                "only; drop --diffckpt-plus-no-diff-log (or --diffckpt-auto-tune and set "
+                "only; drop --diffckpt-option diff_log=false (or --diffckpt-auto-tune and set "
                 "--diffckpt-full-interval yourself)"
             )
-        if self.plus_keeper_replica and (self.mode != "lowdiff-plus" or self.auto_tune):
-            raise DiffCkptUsageError(
-                "--diffckpt-plus-keeper-replica is for --diffckpt-mode lowdiff-plus without "
+        if plus and self.auto_tune and o.keeper_replica:
+            return (
+                "--diffckpt-option keeper_replica=true is for lowdiff-plus without "
                 "--diffckpt-auto-tune (the keeper writes the diff log; the tuner measures the "
                 "ranks' writer)"
             )
-        if self.plus_keeper_writes_bases and not self.plus_keeper_replica:
-            raise DiffCkptUsageError(
-                "--diffckpt-plus-keeper-writes-bases is for --diffckpt-plus-keeper-replica (the "
-                "keeper that holds the replica writes its bases)"
+        if o.keeper_writes_bases and not (plus and self.keeper_plan().replica):
+            return (
+                "--diffckpt-option keeper_writes_bases=true is for lowdiff-plus with its replica "
+                "in the keeper (the keeper that holds the replica writes its bases)"
             )
-        if self.keeper_writes_log and self.mode != "lowdiff":
-            raise DiffCkptUsageError(
-                "--diffckpt-keeper-writes-log is for --diffckpt-mode lowdiff (with "
-                "--diffckpt-plus-keeper-replica, lowdiff-plus's keeper writes its diff log)"
+        if o.keeper_writes_log and self.mode != "lowdiff":
+            return (
+                "--diffckpt-option keeper_writes_log=true is for --diffckpt-mode lowdiff "
+                "(lowdiff-plus's keeper writes its diff log when it holds the replica)"
             )
-        if self.keeper_replica and (self.mode != "lowdiff" or self.keeper_no_base):
-            raise DiffCkptUsageError(
-                "--diffckpt-keeper-replica is for --diffckpt-mode lowdiff without "
-                "--diffckpt-keeper-no-base (the replica starts from each base kept in the "
-                "keeper; lowdiff-plus has --diffckpt-plus-keeper-replica)"
+        if o.keeper_kept_bases and self.mode != "lowdiff":
+            return "--diffckpt-option keeper_kept_bases=true is for --diffckpt-mode lowdiff"
+        if o.keeper_replica and self.mode == "lowdiff" and o.keeper_kept_bases is False:
+            return (
+                "--diffckpt-option keeper_replica=true needs keeper_kept_bases (the replica "
+                "starts from each base kept in the keeper)"
             )
-        if not 0.0 < self.topk_ratio <= 1.0:
-            raise DiffCkptUsageError(
-                f"--diffckpt-topk-ratio must be in (0, 1], got {self.topk_ratio}"
-            )
+        return None
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    def keeper_plan(self) -> KeeperPlan:
+        """What a node's keeper does for this launch when one runs: ``auto`` takes, per mode,
+        what measured best (benchmarks/keeper_recovery.py), an option set to true or false
+        overrides it; ``off`` (or --diffckpt-mode off) uses none."""
+        o = self.options
+        if self.keeper == "off" or not self.enabled:
+            return KeeperPlan()
+        if self.mode == "lowdiff":
+            kept = o.keeper_kept_bases is not False
+            return KeeperPlan(
+                kept_bases=kept,
+                writes_log=o.keeper_writes_log is not False,
+                replica=kept and o.keeper_replica is not False,
+            )
+        replica = o.keeper_replica if o.keeper_replica is not None else not self.auto_tune
+        return KeeperPlan(replica=replica, writes_bases=replica and o.keeper_writes_bases)
+
+    def forced(self, option: str) -> bool:
+        """Whether ``--diffckpt-option OPTION=true`` was given (a keeper missing then warrants
+        a warning; under ``auto`` it does not)."""
+        return getattr(self.options, option) is True
 
     def check_launch(self, args: argparse.Namespace) -> None:
         """Check these settings against a launch's Megatron flags (``args`` of the GPT example or
@@ -233,32 +356,88 @@ class DiffCkptConfig:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one ``--diffckpt-<field>`` flag per field to ``parser``."""
+        """Add one ``--diffckpt-<field>`` flag per field to ``parser`` (help from the field's
+        docstring), and the retired flags, each refused in one line naming its replacement."""
         group = parser.add_argument_group("differential checkpointing (megatron-diffckpt)")
         docs = field_docs(cls)
-        choices = {"mode": MODES, "when_full": WHEN_FULL, "compressor": COMPRESSORS}
+        choices = {
+            "mode": MODES,
+            "when_full": WHEN_FULL,
+            "compressor": COMPRESSORS,
+            "keeper": KEEPER,
+        }
         for f in fields(cls):
-            flag = f"--diffckpt-{f.name.replace('_', '-')}"
-            if str(f.type) == "bool":
+            flag, dest = flag_of(f.name), f"diffckpt_{f.name}"
+            text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+            if f.name == "options":
                 group.add_argument(
-                    flag, dest=f"diffckpt_{f.name}", action="store_true", help=docs.get(f.name)
+                    "--diffckpt-option",
+                    dest=dest,
+                    action="append",
+                    metavar="NAME=VALUE",
+                    help=text,
                 )
-                continue
-            kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
+            elif str(f.type) == "bool":
+                group.add_argument(flag, dest=dest, action="store_true", help=text)
+            else:
+                kind = {"int": int, "float": float, "str": str, "str | None": str}[str(f.type)]
+                group.add_argument(
+                    flag,
+                    dest=dest,
+                    type=kind,
+                    choices=choices.get(f.name),
+                    help=text,
+                    default=f.default if f.default is not MISSING else None,
+                )
+        for old, instead in RETIRED_FLAGS.items():
             group.add_argument(
-                flag,
-                dest=f"diffckpt_{f.name}",
-                type=kind,
-                default=f.default if f.default is not MISSING else None,
-                choices=choices.get(f.name),
-                help=docs.get(f.name, ""),
+                old, nargs="?", action=_Retired, instead=instead, help=argparse.SUPPRESS
             )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DiffCkptConfig:
         """The config of parsed flags; raises :class:`DiffCkptUsageError` (a ``ValueError``) with
         the flag's name when invalid."""
-        return cls(**{f.name: getattr(args, f"diffckpt_{f.name}") for f in fields(cls)})
+        values = {
+            f.name: getattr(args, f"diffckpt_{f.name}") for f in fields(cls) if f.name != "options"
+        }
+        return cls(**values, options=DiffCkptOptions.parse(args.diffckpt_options))
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a :class:`DiffCkptConfig` field."""
+    return "--diffckpt-option" if name == "options" else f"--diffckpt-{name.replace('_', '-')}"
+
+
+RETIRED_FLAGS = {
+    "--diffckpt-max-pending": "--diffckpt-option max_pending=N",
+    "--diffckpt-host-memory-budget": "--diffckpt-option host_memory_budget=MIB",
+    "--diffckpt-retune-interval": "--diffckpt-option retune_interval=N",
+    "--diffckpt-buffered-io": "--diffckpt-option buffered_io=true",
+    "--diffckpt-plus-no-diff-log": "--diffckpt-option diff_log=false",
+    "--diffckpt-plus-keeper-replica": "--diffckpt-keeper auto (the default; "
+    "--diffckpt-option keeper_replica=true forces it)",
+    "--diffckpt-plus-keeper-writes-bases": "--diffckpt-option keeper_writes_bases=true",
+    "--diffckpt-keeper-no-base": "--diffckpt-option keeper_kept_bases=false",
+    "--diffckpt-keeper-writes-log": "--diffckpt-keeper auto (the default; "
+    "--diffckpt-option keeper_writes_log=true forces it)",
+    "--diffckpt-keeper-replica": "--diffckpt-keeper auto (the default; "
+    "--diffckpt-option keeper_replica=true forces it)",
+    "--diffckpt-keeper-memory": "the launcher's --keeper-memory MIB (megatron-diffckpt-launch)",
+    "--diffckpt-keeper-peers": "the launcher's --keeper-peers DIR (megatron-diffckpt-launch)",
+}
+"""Flags of earlier releases, and what replaced each."""
+
+
+class _Retired(argparse.Action):
+    """A retired flag: the parser stops with one line naming what replaced it."""
+
+    def __init__(self, *args: Any, instead: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} was retired; use {self.instead}")
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -3,7 +3,7 @@
 A rank's memory dies with the rank: what it handed to the diff log's writer but had not yet made
 durable (up to a write batch B and the pending batches) is lost with it, and recovery reads
 everything it replays from storage. The keeper is one process per node, started by the node
-launcher (``examples/gpt/node_launcher.py --diffckpt-keeper-memory MIB``) before torchrun and
+launcher (``megatron-diffckpt-launch --keeper-memory MIB``) before torchrun and
 stopped after it, so it outlives the ranks of an attempt that failed: torchrun's restarts
 (``--max-restarts``) start new ranks under the same launcher, and they find the keeper holding
 what their predecessors handed it.
@@ -13,7 +13,7 @@ run, coordinates and shard layout, so it never serves a record to another layout
 after the newest base that rank reported published, each in the diff log's own record encoding
 (checksummed, never pickle). LowDiff's ranks go on writing the diff log to storage themselves; the
 keeper is a second copy, in memory, that a restart reads first. (With
-``--diffckpt-keeper-writes-log`` the keeper writes LowDiff's diff log from these records,
+``--diffckpt-option keeper_writes_log`` the keeper writes LowDiff's diff log from these records,
 :mod:`~megatron_diffckpt.keeper_log`; LowDiff+ with its replica here: from its merges.)
 
 - **Acknowledged = held.** :meth:`KeeperClient.put` returns once the keeper holds the record: it

@@ -28,7 +28,7 @@ replaying them. Here every base a rank saves is also staged in its keeper's memo
    keeper's files, copies them into its optimizer and residuals, and replays its chain from B
    on (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.recover_from_keeper`).
 
-**The ring** (with ``--diffckpt-keeper-peers``): each base a keeper takes is copied, off the
+**The ring** (with ``--keeper-peers``): each base a keeper takes is copied, off the
 rank's path (a thread of the keeper, after the reply), to the next node's keeper
 (``base_copy_put``: its files hard-linked, so a base dropped meanwhile still goes whole, and
 streamed from them into the successor's shared memory, never through either keeper's heap:
@@ -40,8 +40,8 @@ of its own folder and serves them as its own (``keeper: adopted the base of rank
 10 from the keeper of node 0 (a peer)``), so its ranks too recover without reading storage's
 base, and replay the peer's differentials (:mod:`~megatron_diffckpt.keeper_peers`).
 
-4. **Replica** (``--diffckpt-keeper-replica``): from each kept base on, the keeper also steps a
-   copy of it with every differential the rank hands over, one iteration behind
+4. **Replica** (``--diffckpt-option keeper_replica``): from each kept base on, the keeper
+   also steps a copy of it with every differential the rank hands over, one iteration behind
    (:meth:`~megatron_diffckpt.keeper_replica.HostedReplicas.roll_from`), so that a restart
    takes the recovered iteration's state from it and replays nothing; this replica does go
    around the ring.
@@ -61,7 +61,7 @@ import torch
 
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
-from megatron_diffckpt.keeper_wire import Parts, Received, span
+from megatron_diffckpt.keeper_wire import Parts, Received, rank_name, span
 from megatron_diffckpt.replica_merger import _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
@@ -335,12 +335,6 @@ def _received(header: dict[str, Any], payload: Received, tier: str) -> KeptBase:
     )
 
 
-def rank_name(key: tuple) -> str:
-    """``rank_T_P_D`` of an identity key (a rank's folder in the diff log)."""
-    who = dict(key)
-    return f"rank_{who['tp_rank']}_{who['pp_rank']}_{who['dp_rank']}"
-
-
 def _refused(base: KeptBase, folder: str, others: set[str]) -> str:
     """Why the keeper cannot hold ``base`` (``""``: it can): a file outside its ``folder``, one
     of another base it holds (``others``), or one missing or short."""
@@ -393,7 +387,7 @@ class BaseStager:
     def __init__(self, client: Any, replica: bool = False):
         self.client = client
         self.replica = replica
-        """Ask the keeper to step a replica from each base on (``--diffckpt-keeper-replica``:
+        """Ask the keeper to step a replica from each base on (``--diffckpt-option keeper_replica``:
         :meth:`~megatron_diffckpt.keeper_replica.HostedReplicas.roll_from`)."""
         self._thread: threading.Thread | None = None
         self._result = ""

@@ -2,7 +2,7 @@
 
 Under a keeper every LowDiff record is handed to it (:meth:`~megatron_diffckpt.keeper.
 KeeperClient.put`, already in the diff log's encoding) before the rank's own writer serialises
-it again, checksums it, writes and syncs it. With ``--diffckpt-keeper-writes-log`` the keeper
+it again, checksums it, writes and syncs it. With ``--diffckpt-option keeper_writes_log`` the keeper
 writes the segments from the bytes it was handed (:class:`~megatron_diffckpt.storage.format.
 EncodedRecord`: no decoding, no second serialisation or checksum), with the rank's settings
 (batch size, backlog, full-storage policy, direct I/O), and the rank's writer only hands over:
@@ -292,18 +292,20 @@ class KeeperLogs:
 
 class KeeperLogWriter(DiffLogWriter):
     """The rank's diff-log writer when the node's keeper writes the log
-    (``--diffckpt-keeper-writes-log``): the same interface and guarantees as
-    :class:`~megatron_diffckpt.storage.writer.DiffLogWriter` (whose arguments it takes, with a
-    ``keeper`` it needs), with the writing done in the keeper. Until the keeper reports a record
-    durable, the rank keeps it; when the keeper cannot write (lost, or its writer failed), the
-    rank writes from its newest durable iteration on itself (:meth:`in_keeper` turns false).
+    (``--diffckpt-option keeper_writes_log``): the same interface and guarantees as
+    :class:`~megatron_diffckpt.storage.writer.DiffLogWriter` (whose arguments it takes; its
+    ``sink`` must be the node's keeper), with the writing done in the keeper. Until the keeper
+    reports a record durable, the rank keeps it; when the keeper cannot write (lost, or its
+    writer failed), the rank writes from its newest durable iteration on itself
+    (:meth:`in_keeper` turns false).
     The training thread."""
 
     def __init__(self, root: str, identity: SegmentIdentity, compressor: str, batch_size: int,
                  **kwargs: Any):  # fmt: skip
-        keeper = kwargs.get("keeper")
+        keeper = kwargs.get("sink")
         if keeper is None:
             raise ValueError("a diff log written by the node's keeper needs the keeper")
+        self.keeper = keeper
         # a predecessor's log in the keeper: written out while it still holds the folder
         keeper.call({"op": "log_close"})
         super().__init__(root, identity, compressor, batch_size, **kwargs)

@@ -37,7 +37,7 @@ from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_rec
 
 logger = logging.getLogger(__name__)
 
-KEEPER_FLAG_HINT = "raise the node launcher's --diffckpt-keeper-memory"
+KEEPER_FLAG_HINT = "raise the launcher's --keeper-memory"
 
 
 class KeeperReplicaMerger(QueuedMerges):
@@ -237,9 +237,10 @@ def recover_from_keepers(
     ``client`` is this rank's keeper client (``None``: none runs); ``publish()`` makes the
     model's parameters follow the copied main parameters (collective); ``all_reduce_min`` is
     :func:`~megatron_diffckpt.recovery.all_reduce_min`. LowDiff's replicas
-    (``--diffckpt-keeper-replica``): the iteration must be at least ``floor`` (storage's newest
-    base) and at most ``ceiling`` (this rank's chain end, so that storage's log can be made to
-    reach it), and the replica's error-feedback ``residuals`` are loaded too. Returns
+    (``--diffckpt-option keeper_replica``): the iteration must be at least ``floor``
+    (storage's newest base) and at most ``ceiling`` (this rank's chain end, so that storage's
+    log can be made to reach it), and the replica's error-feedback ``residuals`` are loaded
+    too. Returns
     ``(iteration, its record, the seconds it took, the replica's description, the tier that
     held it)``, or ``None`` when some rank's keeper cannot reach the iteration every rank
     reaches (then every rank recovers from ``fallback``, as the log line says).

@@ -13,7 +13,7 @@ log costs storage); with LowDiff+'s replica in the keepers, each replica whole w
 it and then every iteration's snapshot, which the successor merges into a replica of its own
 (:class:`~megatron_diffckpt.keeper_replica.HostedReplicas`).
 
-How keepers find each other: a folder every node sees (``--diffckpt-keeper-peers``, on the
+How keepers find each other: a folder every node sees (``--keeper-peers``, on the
 job's shared storage, e.g. beside ``--save``), where each keeper publishes ``keeper_<node>.json``
 (its TCP address and a random token) when it starts. A peer request carries the receiver's token:
 only a process that can read the folder (the job's user) can hand a keeper records or read them.

@@ -2,7 +2,7 @@
 
 In-process, LowDiff+'s host replica dies with its rank, and what makes an iteration recoverable
 after the newest base is the dense diff log (every iteration's gradient shard, written to
-storage). With ``--diffckpt-plus-keeper-replica`` under a node launcher that runs a keeper, the
+storage). With ``--diffckpt-option keeper_replica`` under a node launcher that runs a keeper, the
 replica lives in the keeper instead (:mod:`~megatron_diffckpt.keeper`), and so does its merger:
 
 1. **Anchor.** The rank creates the replica (the main-parameter shard and the optimizer state,
@@ -39,7 +39,7 @@ bit-identical to the training state, as in-process.
 The diff log: the keeper also writes the rank's dense diff log from its merges
 (:class:`ReplicaLog`), so that storage holds every iteration too.
 
-LowDiff (``--diffckpt-keeper-replica``) reuses the same replica and recovery: from each base
+LowDiff (``--diffckpt-option keeper_replica``) reuses the same replica and recovery: from each base
 the keeper holds (:mod:`~megatron_diffckpt.keeper_base`), a replica stepped with the rank's
 differentials themselves (:meth:`HostedReplica.take_differential`), one behind, on one worker
 thread, and copied around the ring the same way (``replica_copy_step``).
@@ -66,9 +66,9 @@ import torch
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptError
-from megatron_diffckpt.keeper_base import missing_file, rank_name
+from megatron_diffckpt.keeper_base import missing_file
 from megatron_diffckpt.keeper_log import open_log
-from megatron_diffckpt.keeper_wire import Parts, Received, span
+from megatron_diffckpt.keeper_wire import Parts, Received, rank_name, span
 from megatron_diffckpt.replica_merger import (
     ParamSlice,
     ShardLayout,
@@ -411,7 +411,7 @@ class HostedReplicas:
 
     # ----------------------------------------------------------------- LowDiff's replica
     def roll_from(self, key: tuple, base: Any) -> None:
-        """LowDiff (``--diffckpt-keeper-replica``): from the kept ``base`` (a
+        """LowDiff (``--diffckpt-option keeper_replica``): from the kept ``base`` (a
         :class:`~megatron_diffckpt.keeper_base.KeptBase` just put) on, a replica in files of
         its own (the shard and the base's residuals copied) that every differential the rank
         hands over steps, one behind (:meth:`roll`), in place of the rank's previous one.

@@ -242,3 +242,9 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if not k:
             raise ConnectionError(f"the keeper's peer closed the connection ({got} of {n} bytes)")
         got += k
+
+
+def rank_name(key: tuple) -> str:
+    """``rank_T_P_D`` of an identity key (a rank's folder in the diff log)."""
+    who = dict(key)
+    return f"rank_{who['tp_rank']}_{who['pp_rank']}_{who['dp_rank']}"

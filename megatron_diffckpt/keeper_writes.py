@@ -1,6 +1,6 @@
 """LowDiff+'s base files written by the node's keeper: no base writing in the ranks.
 
-With LowDiff+'s replica in the keeper (``--diffckpt-plus-keeper-replica``), a base is still
+With LowDiff+'s replica in the keeper (``--diffckpt-option keeper_replica``), a base is still
 planned by the ranks as for any asynchronous save (megatron's planner and its write buckets:
 which tensor goes into which file, under which key; the optimizer state in per-bucket tensors
 megatron builds for it) and published by them (the collective finalize, metadata last). What
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.background import die_with_parent, lower_priority
-from megatron_diffckpt.keeper_base import rank_name
+from megatron_diffckpt.keeper_wire import rank_name
 from megatron_diffckpt.shared_replica import SharedArena, remove_files, tensor_bytes
 
 logger = logging.getLogger(__name__)

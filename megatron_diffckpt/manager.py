@@ -59,7 +59,7 @@ from megatron_diffckpt.base_space import BaseSpace
 from megatron_diffckpt.capture import capture_rng, restore_rng
 from megatron_diffckpt.checkpoint_layout import CheckpointNotFoundError, find_latest_iteration
 from megatron_diffckpt.compression import make_compressor
-from megatron_diffckpt.config import DiffCkptConfig
+from megatron_diffckpt.config import DiffCkptConfig, KeeperPlan
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.keeper import KeeperClient
@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 
 PLUS_SLOW_HINT = (
     "LowDiff+ writes the dense gradient shard every iteration: run with "
-    "--diffckpt-plus-no-diff-log (bases only, as often as storage writes them) or let "
+    "--diffckpt-option diff_log=false (bases only, as often as storage writes them) or let "
     "--diffckpt-auto-tune choose from the measured costs"
 )
 
@@ -166,8 +166,10 @@ class DiffCheckpointManager:
             _run_id(self.dir, config.mode), tp, pp, dp, shard_layout_hash(optimizer)
         )
         self.rank_dir = os.path.join(self.dir, self.identity.dirname())
-        self.keeper = KeeperClient.from_env(self.identity)
+        self.keeper = KeeperClient.from_env(self.identity) if config.keeper != "off" else None
         """The node's keeper (:mod:`~megatron_diffckpt.keeper`), when the launcher runs one."""
+        self.plan = config.keeper_plan() if self.keeper is not None else KeeperPlan()
+        """What the keeper does for this rank (``--diffckpt-keeper``)."""
         self.writer: DiffLogWriter | None = None
         self.tuner: OnlineTuner | None = None
         self.full_interval = 0  # F; set by start()
@@ -179,11 +181,10 @@ class DiffCheckpointManager:
         self._recovery: tuple[float, float | None, float] | None = None
         self._from_keeper: tuple[int, list[Any]] | None = None  # the keeper replica's, recovered
         self._in_keeper = False  # LowDiff+'s replica lives in the node's keeper
-        keep_bases = config.mode == "lowdiff" and self.keeper and not config.keeper_no_base
         # LowDiff's bases staged in the node's keeper too
         self._stager = (
-            keeper_base.BaseStager(self.keeper, replica=config.keeper_replica)
-            if keep_bases
+            keeper_base.BaseStager(self.keeper, replica=self.plan.replica)
+            if self.plan.kept_bases
             else None
         )
         self._kept_refused = False
@@ -199,16 +200,16 @@ class DiffCheckpointManager:
         """Recover from the node keepers' memory, before (instead of) loading a base when every
         rank can. All ranks, collectively.
 
-        LowDiff+ with ``--diffckpt-plus-keeper-replica``: from the keepers' replicas (nothing
+        LowDiff+ with ``--diffckpt-option keeper_replica``: from the keepers' replicas (nothing
         replayed). LowDiff under a keeper: from the newest base every rank's keeper holds
         (:mod:`~megatron_diffckpt.keeper_base`), when it is at least ``storage_base`` (storage's
         newest; newer than it when the loop ``loaded`` it already), then the differentials
-        after it; with ``--diffckpt-keeper-replica`` first from the keepers' replicas of that
+        after it; with ``--diffckpt-option keeper_replica`` first from the keepers' replicas of that
         base stepped with the differentials (nothing replayed). Returns ``(iteration,
         scheduler_steps, consumed_samples)``; ``None``: load storage's newest base and
         :meth:`recover` as without keepers.
         """
-        if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica:
+        if self.config.mode == "lowdiff-plus" and self.plan.replica:
             return self._recover_replica()
         if self._stager is not None and storage_base is not None:
             if self._stager.replica:
@@ -253,9 +254,9 @@ class DiffCheckpointManager:
         return target, record.scalars["scheduler_steps"], record.scalars["consumed_samples"]
 
     def _recover_rolled(self, storage_base: int) -> tuple[int, int, int] | None:
-        """LowDiff with ``--diffckpt-keeper-replica``: the state at the newest iteration every
-        rank's keeper replica reaches (no older than storage's newest base, within every rank's
-        chain), nothing replayed; storage's log is then made to reach it as after a replay."""
+        """LowDiff with the keeper's replica: the state at the newest iteration every rank's
+        keeper replica reaches (no older than storage's newest base, within every rank's chain),
+        nothing replayed; storage's log is then made to reach it as after a replay."""
         since_process_start = _seconds_since_process_start()
         start = time.perf_counter()
         scan, chain, _, _ = self._chain(storage_base)
@@ -411,12 +412,12 @@ class DiffCheckpointManager:
 
     def _quiesce_keepers_log(self) -> None:
         """Before this rank reads or cuts its diff log: when the node's keeper writes it
-        (LowDiff+ with its replica there, LowDiff with ``--diffckpt-keeper-writes-log``), the
+        (LowDiff+ with its replica there, LowDiff with ``--diffckpt-option keeper_writes_log``), the
         keeper writes what it holds and then nothing more until this rank opens its replica or
         log again, so nothing of an earlier attempt lands after the cut."""
-        if self.config.mode == "lowdiff-plus" and self.config.plus_keeper_replica and self.keeper:
+        if self.config.mode == "lowdiff-plus" and self.plan.replica:
             self.keeper.call({"op": "replica_log_flush"})
-        elif self.config.mode == "lowdiff" and self.keeper:  # --diffckpt-keeper-writes-log
+        elif self.config.mode == "lowdiff" and self.keeper:  # --diffckpt-option keeper_writes_log
             self.keeper.call({"op": "log_close"})
 
     def _storage_tracker(self) -> int:
@@ -515,8 +516,8 @@ class DiffCheckpointManager:
                 self.full_interval, diff_log = full_interval, decided.diff_log
             settings = TunerSettings(
                 mtbf_s=self.config.mtbf_hours * 3600.0,
-                host_memory_budget=self.config.host_memory_budget * 2.0**20,
-                max_pending=self.config.max_pending,
+                host_memory_budget=self.config.options.host_memory_budget * 2.0**20,
+                max_pending=self.config.options.max_pending,
                 plus=self.config.mode == "lowdiff-plus",
             )
             self.tuner = OnlineTuner(settings, full_interval, batch_size, diff_log)
@@ -525,48 +526,48 @@ class DiffCheckpointManager:
             else:
                 self.tuner.observe_start(_seconds_since_process_start())
         plus = self.config.mode == "lowdiff-plus"
-        in_keeper = plus and self.config.plus_keeper_replica and self.keeper is not None
-        if plus and self.config.plus_keeper_replica and self.keeper is None:
+        in_keeper = plus and self.plan.replica
+        if plus and self.keeper is None and self.config.forced("keeper_replica"):
             logger.warning(
-                "--diffckpt-plus-keeper-replica: no keeper runs on this node (start the job "
-                "under examples/gpt/node_launcher.py --diffckpt-keeper-memory MIB); the "
-                "replica stays in this process"
+                "--diffckpt-option keeper_replica=true: no keeper runs on this node (start "
+                "the job under megatron-diffckpt-launch --keeper-memory MIB); the replica "
+                "stays in this process"
             )
         keeper_log = None
-        if in_keeper and not self.config.plus_no_diff_log:
+        if in_keeper and self.config.options.diff_log:
             # the keeper writes the diff log from its merges (keeper_replica.ReplicaLog)
             keeper_log = {
                 "root": self.dir,
                 "compressor": self._compressor_name(),
                 "batch_size": batch_size,
-                "max_pending": self.config.max_pending,
+                "max_pending": self.config.options.max_pending,
                 "when_full": self.config.when_full,
-                "direct_io": not self.config.buffered_io,
+                "direct_io": not self.config.options.buffered_io,
                 "slow_hint": PLUS_SLOW_HINT,
                 # recovered from a keeper: storage's chain may end before (a peer's replica)
                 "durable": self._storage_tracker() if self._from_keeper is not None else None,
             }
         writer_class = DiffLogWriter
-        if self.config.keeper_writes_log and self.keeper is not None:
+        if self.plan.writes_log:
             writer_class = KeeperLogWriter  # the keeper writes the segments (keeper_log)
-        elif self.config.keeper_writes_log:
+        elif self.keeper is None and self.config.forced("keeper_writes_log"):
             logger.warning(
-                "--diffckpt-keeper-writes-log: no keeper runs on this node (start the job under "
-                "examples/gpt/node_launcher.py --diffckpt-keeper-memory MIB); this rank writes "
+                "--diffckpt-option keeper_writes_log=true: no keeper runs on this node (start "
+                "the job under megatron-diffckpt-launch --keeper-memory MIB); this rank writes "
                 "its diff log"
             )
-        if not (plus and (self.config.plus_no_diff_log or not diff_log or in_keeper)):
+        if not (plus and (not self.config.options.diff_log or not diff_log or in_keeper)):
             self.writer = writer_class(
                 self.dir,
                 self.identity,
                 self._compressor_name(),
                 batch_size=batch_size,
-                max_pending=self.config.max_pending,
+                max_pending=self.config.options.max_pending,
                 when_full=self.config.when_full,
                 chain_start=iteration,
                 **({"slow_hint": PLUS_SLOW_HINT} if plus else {}),
-                keeper=self.keeper,
-                direct_io=not self.config.buffered_io,
+                sink=self.keeper,
+                direct_io=not self.config.options.buffered_io,
             )
         if self.writer is None and self._from_keeper is None:
             self._published_bases.append(iteration)  # bases only: durable from the start on
@@ -576,14 +577,14 @@ class DiffCheckpointManager:
             self.strategy = LowDiffPlusStrategy(
                 self.optimizer,
                 self.model_chunks,
-                self.config.max_pending,
+                self.config.options.max_pending,
                 self.writer,
                 self.rng_tracker,
                 trace_path=trace,
                 on_base_failed=self.base_failed,
                 keeper=self.keeper if in_keeper else None,
                 keeper_log=keeper_log,
-                keeper_writes_bases=self.config.plus_keeper_writes_bases,
+                keeper_writes_bases=self.plan.writes_bases,
             )
             if in_keeper and self._from_keeper is not None:
                 self.strategy.merger.resumed = self._from_keeper
@@ -606,8 +607,8 @@ class DiffCheckpointManager:
         """Hand ``iteration``'s differential to the background. All ranks.
 
         ``train_seconds``, the iteration's forward, backward and optimizer step, feeds the
-        auto-tuner; with it on, every ``--diffckpt-retune-interval`` iterations this is also a
-        collective that agrees on a new F and B.
+        auto-tuner; with it on, every ``--diffckpt-option retune_interval`` iterations this is
+        also a collective that agrees on a new F and B.
         """
         cost = self.strategy.end_iteration(iteration, scheduler_steps, consumed_samples)
         self._ended = (iteration, scheduler_steps, consumed_samples)
@@ -621,7 +622,7 @@ class DiffCheckpointManager:
             self.tuner.observe_iteration(
                 max(train_seconds - cost.inside_step_s, 1e-9), cost.path_s, cost.since_step_s
             )
-        if iteration % self.config.retune_interval == 0:
+        if iteration % self.config.options.retune_interval == 0:
             self._retune(iteration)
 
     def _retune(self, iteration: int) -> None:

@@ -16,7 +16,7 @@ this module holds the order of things:
    buffer (a host memcpy; the merger goes on with the next iterations) and the training loop's
    save function plans a stock dist checkpoint of the copy (a collective; see
    :mod:`megatron_diffckpt.strategy` for its protocol); a persister thread writes it (with the
-   replica in the node's keeper and ``--diffckpt-plus-keeper-writes-bases``: the keeper writes
+   replica in the node's keeper and ``--diffckpt-option keeper_writes_bases``: the keeper writes
    the files, staged in shared memory, :mod:`~megatron_diffckpt.keeper_writes`), and once
    every rank has written, the training thread finalizes it (metadata last) and publishes it.
 
@@ -85,7 +85,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
     Args:
         optimizer: the megatron (distributed) optimizer.
         model_chunks: the megatron DDP modules.
-        slots: snapshot slots = the merger's backlog bound (``--diffckpt-max-pending``).
+        slots: snapshot slots = the merger's backlog bound (``--diffckpt-option max_pending``).
         writer: the diff log, or ``None`` to persist bases only.
         rng_tracker: megatron's RNG tracker (for the differentials' RNG states).
         trace_path: where :meth:`close` writes the recent iterations' snapshot trace (JSON).

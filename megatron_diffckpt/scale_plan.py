@@ -12,7 +12,7 @@ each at its own best setting:
   backward pass (overlapped: no stall) and merged into a host replica, which is persisted as the
   base with no device stall. Two ways, each at its own best setting: **with the diff log**, dense
   differentials (4 bytes per shard parameter, every iteration) are written between bases; **bases
-  only** (``--diffckpt-plus-no-diff-log``), nothing between bases, and after a failure the
+  only** (``--diffckpt-option diff_log=false``), nothing between bases, and after a failure the
   iterations since the newest base are recomputed, with bases as frequent as storage writes
   them. The log's bytes grow with the shard (7B parameters at DP=8: 3.5 GB per rank and
   iteration), so where storage cannot take them every iteration, bases only wins.
@@ -23,13 +23,13 @@ each at its own best setting:
   failures leaves the hosts up; the ranks restart in the allocation (``kept_restart_s``) and
   recover every iteration they handed over. ``LowDiff + keepers``: the differentials and the
   newest base from the keeper (none lost; replay as from storage). ``LowDiff + keeper
-  replicas`` (``--diffckpt-keeper-replica``): the keeper's replica of the shard, stepped with
+  replicas`` (``--diffckpt-option keeper_replica``): the keeper's replica of the shard, stepped with
   every differential (a host-to-device copy, no replay; around the ring too); its one
   optimizer step per iteration runs on the host, off the training path, and is not counted.
-  ``LowDiff+ in keepers`` (``--diffckpt-plus-keeper-replica``): the replica from the keeper
+  ``LowDiff+ in keepers`` (``--diffckpt-option keeper_replica``): the replica from the keeper
   (a host-to-device copy of the shard's fp32 parameters and moments, no base, no replay) and
   bases only to storage (no dense log), which serve the other failures. With the keepers' ring
-  (``--diffckpt-keeper-peers``), a further share ``peer_share`` loses a node whole: the job
+  (``--keeper-peers``), a further share ``peer_share`` loses a node whole: the job
   restarts with a replacement node (``restart_s``, a requeue, as without the ring), whose
   ranks fetch the node's copy from the next node's keeper (its ``gpus_per_node`` replicas over
   ``peer_bandwidth``; LowDiff's differentials are read from the peer in place of storage,

@@ -42,7 +42,7 @@ failure is :math:`C(F, B) = K(B) + \tfrac{F}{2}\,r`.
 that outlived them: those cost the restart inside the allocation :math:`R_k`, the recovery, and
 the iteration in flight, :math:`C_k(F) = R_k + x + t/2` from replicas in the keepers
 (``kept_recovery_s``, no base, no replay: LowDiff+'s, or LowDiff's with
-``--diffckpt-keeper-replica``) or :math:`R_k + \ell_k + \tfrac{F}{2} r + t/2` from
+``--diffckpt-option keeper_replica``) or :math:`R_k + \ell_k + \tfrac{F}{2} r + t/2` from
 their differentials, with the base from their memory (``kept_base_load_s``, :math:`\ell_k`) or
 from storage (:math:`\ell_k = \ell`). With the keepers' ring
 (:mod:`~megatron_diffckpt.keeper_peers`), a further share :math:`q_p` (``peer_share``) loses a
@@ -121,7 +121,7 @@ class CostInputs:
     host_memory_budget: float = math.inf
     """Bytes of host memory the diff writer may hold."""
     max_pending: int = 2
-    """Writes that may wait for the writer (--diffckpt-max-pending)."""
+    """Writes that may wait for the writer (--diffckpt-option max_pending)."""
     kept_share: float = 0.0
     """q: share of the failures after which the node keepers still hold every iteration the
     ranks handed over (only ranks died; their hosts are up)."""

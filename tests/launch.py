@@ -27,6 +27,11 @@ from rank_launcher import FORK_SERVER_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
+# The node launcher as users run it: the console script the editable install put beside python.
+LAUNCH = Path(sys.executable).parent / "megatron-diffckpt-launch"
+# Under a keeper, --diffckpt-keeper auto gives LowDiff kept bases, a replica and the keeper's
+# diff log; tests of one of those paths turn the others off.
+KEPT_BASE_ONLY = ("--diffckpt-option", "keeper_replica=false,keeper_writes_log=false")
 # A distributed run that hangs (an async-save worker error shows up as a hang) must fail the test.
 RUN_TIMEOUT_S = 300
 
@@ -268,18 +273,34 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def run_script(*args: str, world_size: int = 1) -> subprocess.CompletedProcess:
-    """Run ``pretrain_gpt.py`` as one plain process: argument errors come before any rank starts."""
+def run_script(
+    *args: str, world_size: int = 1, script: Path = PRETRAIN_GPT
+) -> subprocess.CompletedProcess:
+    """Run ``script`` as one plain process: argument errors come before any rank starts."""
     env = _env()
     env["WORLD_SIZE"] = str(world_size)
     return subprocess.run(
-        [sys.executable, str(PRETRAIN_GPT), *args],
+        [sys.executable, str(script), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
     )
+
+
+def assert_help_lists_every_flag(proc: subprocess.CompletedProcess) -> None:
+    """``--help`` of a training entry exited 0 and shows every ``--diffckpt-*`` flag of
+    :class:`~megatron_diffckpt.config.DiffCkptConfig`, each with its help."""
+    from dataclasses import fields
+
+    from megatron_diffckpt.config import DiffCkptConfig, flag_of
+
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = proc.stdout.split("differential checkpointing (megatron-diffckpt):")[1]
+    for f in fields(DiffCkptConfig):
+        line = re.search(rf"^  {flag_of(f.name)}\b.*\n(.*)", shown, re.M)
+        assert line is not None and line[0].split(maxsplit=2)[-1].strip(), f.name
 
 
 def recovered_iteration(proc: subprocess.CompletedProcess) -> int:

@@ -16,7 +16,7 @@ job's code), else started here as new interpreters.
 Why not torchrun itself: its agent imports torch before it starts a rank, about 2 s of a
 2-core machine per launch, and the suite starts some 200 jobs. The ranks cannot tell the
 difference. torchrun itself stays under test where the launch is the subject: ``test_orphans.py``
-(plain torchrun), ``test_slurm.py`` (``examples/gpt/node_launcher.py``), and the jobs that tests
+(plain torchrun), ``test_slurm.py`` (``megatron-diffckpt-launch``), and the jobs that tests
 start with ``torchrun=True`` (:func:`launch.run_gpt`).
 """
 

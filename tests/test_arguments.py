@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from arguments import parse_args
-from launch import TINY_GPT, run_gpt, run_script
+from launch import TINY_GPT, assert_help_lists_every_flag, run_gpt, run_script
 
 
 class _Result:
@@ -26,6 +26,22 @@ def _parse(*argv: str, world_size: int = 1) -> _Result:
 def _error(proc) -> str:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     return proc.stderr
+
+
+def test_help_lists_every_diffckpt_flag():
+    assert_help_lists_every_flag(run_script("--help"))
+
+
+def test_a_retired_flag_is_refused_by_the_script_in_one_line():
+    err = _error(run_script("--train-iters", "2", "--diffckpt-keeper-replica"))
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .endswith(
+            "--diffckpt-keeper-replica was retired; use --diffckpt-keeper auto (the default; "
+            "--diffckpt-option keeper_replica=true forces it)"
+        )
+    )
 
 
 def test_unknown_flag_is_refused_by_the_script():

@@ -117,8 +117,8 @@ def test_training_follows_the_agreed_decisions(tmp_path):
         "--diffckpt-mode",
         "lowdiff",
         "--diffckpt-auto-tune",
-        "--diffckpt-retune-interval",
-        "4",
+        "--diffckpt-option",
+        "retune_interval=4",
         "--diffckpt-mtbf-hours",
         "1000",  # failures so rare that a long F pays
     ]
@@ -161,7 +161,7 @@ def test_lowdiff_plus_auto_tune_keeps_a_log_that_keeps_up(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100",
               "--save", str(ckpt), "--save-interval", "3", "--diffckpt-mode", "lowdiff-plus",
-              "--diffckpt-auto-tune", "--diffckpt-retune-interval", "4"]  # fmt: skip
+              "--diffckpt-auto-tune", "--diffckpt-option", "retune_interval=4"]  # fmt: skip
     proc = run_gpt(2, *common, "--train-iters", "12")
     log = proc.stdout + proc.stderr
     assert re.search(

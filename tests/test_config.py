@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import fields
 
 import pytest
 
-from megatron_diffckpt.config import DiffCkptConfig
+from megatron_diffckpt.config import (
+    RETIRED_FLAGS,
+    DiffCkptConfig,
+    DiffCkptOptions,
+    KeeperPlan,
+    field_docs,
+    flag_of,
+)
 from megatron_diffckpt.errors import DiffCkptUsageError
 
 
@@ -23,8 +31,94 @@ def test_every_field_has_a_flag_with_its_docstring_as_help():
     actions = {a.dest: a for a in parser._actions}
     for f in fields(DiffCkptConfig):
         action = actions[f"diffckpt_{f.name}"]
-        assert action.option_strings == [f"--diffckpt-{f.name.replace('_', '-')}"]
+        assert action.option_strings == [flag_of(f.name)]
         assert len(action.help) > 20, f"{f.name} has no docstring"
+    docs = field_docs(DiffCkptOptions)
+    for f in fields(DiffCkptOptions):  # each option named in --diffckpt-option's help
+        assert len(docs.get(f.name, "")) > 20, f"option {f.name} has no docstring"
+        assert f.name in actions["diffckpt_options"].help, f.name
+
+
+def test_at_most_twelve_user_flags_one_of_them_the_memory_tier():
+    parser = argparse.ArgumentParser()
+    DiffCkptConfig.add_arguments(parser)
+    shown = [a for a in parser._actions if a.help != argparse.SUPPRESS and a.option_strings]
+    flags = [s for a in shown for s in a.option_strings if s.startswith("--diffckpt-")]
+    assert len(flags) <= 12, flags
+    keeper = next(a for a in shown if a.option_strings == ["--diffckpt-keeper"])
+    assert keeper.choices == ("auto", "off") and keeper.default == "auto"
+
+
+def test_the_help_of_every_flag_renders(capsys):
+    """argparse formats each help with ``%``: a docstring holding "+8.7%" once broke --help."""
+    parser = argparse.ArgumentParser()
+    DiffCkptConfig.add_arguments(parser)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for f in fields(DiffCkptConfig):
+        assert flag_of(f.name) in out
+
+
+@pytest.mark.parametrize(("old", "instead"), sorted(RETIRED_FLAGS.items()))
+def test_a_retired_flag_is_refused_in_one_line_naming_the_new_way(old, instead, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse("--diffckpt-mode", "lowdiff", old)
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{old} was retired; use {instead}" in last
+
+
+def test_options_take_names_and_values_of_their_fields():
+    c = _parse("--diffckpt-mode", "lowdiff-plus", "--diffckpt-option",
+               "max_pending=4,diff_log=off", "--diffckpt-option", "keeper_replica=false",
+               "--diffckpt-option", "buffered-io=1")  # fmt: skip
+    assert c.options == DiffCkptOptions(
+        max_pending=4, diff_log=False, keeper_replica=False, buffered_io=True
+    )
+    assert c.options.changed() == {
+        "max_pending": 4, "buffered_io": True, "diff_log": False, "keeper_replica": False
+    }  # fmt: skip
+    # a later value wins, and auto gives a keeper choice back to --diffckpt-keeper auto
+    c = _parse("--diffckpt-mode", "lowdiff", "--diffckpt-option", "keeper_replica=false",
+               "--diffckpt-option", "keeper_replica=auto")  # fmt: skip
+    assert c.options.keeper_replica is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("max_pending", "takes NAME=VALUE with NAME one of max_pending, "),
+        ("no_such=1", "takes NAME=VALUE with NAME one of"),
+        ("max_pending=two", "max_pending takes an integer; got 'two'"),
+        ("max_pending=0", "max_pending must be >= 1"),
+        ("buffered_io=auto", "buffered_io takes true, false; got 'auto'"),
+        ("keeper_replica=maybe", "keeper_replica takes true, false or auto; got 'maybe'"),
+    ],
+)
+def test_a_bad_option_is_refused_naming_it(value, message):
+    with pytest.raises(DiffCkptUsageError, match=re.escape(message)):
+        _parse("--diffckpt-mode", "lowdiff", "--diffckpt-option", value)
+
+
+def test_keeper_auto_picks_per_mode_what_measured_best_and_options_override_it():
+    lowdiff = DiffCkptConfig(mode="lowdiff")
+    assert lowdiff.keeper_plan() == KeeperPlan(kept_bases=True, writes_log=True, replica=True)
+    plus = DiffCkptConfig(mode="lowdiff-plus")
+    assert plus.keeper_plan() == KeeperPlan(replica=True)
+    # the tuner measures the ranks' own writer: LowDiff+'s replica stays in the rank
+    assert DiffCkptConfig(mode="lowdiff-plus", auto_tune=True).keeper_plan() == KeeperPlan()
+    assert DiffCkptConfig(mode="lowdiff", keeper="off").keeper_plan() == KeeperPlan()
+    assert DiffCkptConfig(mode="off").keeper_plan() == KeeperPlan()
+    no_base = DiffCkptOptions(keeper_kept_bases=False)
+    assert DiffCkptConfig(mode="lowdiff", options=no_base).keeper_plan() == KeeperPlan(
+        writes_log=True
+    )
+    writes = DiffCkptOptions(keeper_writes_bases=True)
+    assert DiffCkptConfig(mode="lowdiff-plus", options=writes).keeper_plan() == KeeperPlan(
+        replica=True, writes_bases=True
+    )
 
 
 def test_defaults_and_values():
@@ -59,19 +153,46 @@ def test_defaults_and_values():
     [
         ({"mode": "sometimes"}, "--diffckpt-mode"),
         ({"batch_size": 0}, "--diffckpt-batch-size"),
-        ({"max_pending": 0}, "--diffckpt-max-pending"),
+        ({"keeper": "on"}, "--diffckpt-keeper must be one of"),
+        ({"mtbf_hours": 0}, "--diffckpt-mtbf-hours must be > 0"),
         ({"when_full": "x"}, "--diffckpt-when-full"),
         ({"full_interval": -1}, "--diffckpt-full-interval"),
         ({"compressor": "zip"}, "--diffckpt-compressor"),
         ({"topk_ratio": 0.0}, "--diffckpt-topk-ratio"),
         ({"topk_ratio": 1.5}, "--diffckpt-topk-ratio"),
         (
-            {"mode": "lowdiff-plus", "plus_keeper_writes_bases": True},
-            "--diffckpt-plus-keeper-writes-bases is for --diffckpt-plus-keeper-replica",
+            {
+                "mode": "lowdiff-plus",
+                "options": DiffCkptOptions(keeper_replica=False, keeper_writes_bases=True),
+            },
+            "keeper_writes_bases=true is for lowdiff-plus with its replica in the keeper",
         ),
         (
-            {"mode": "lowdiff-plus", "keeper_writes_log": True},
-            "--diffckpt-keeper-writes-log is for --diffckpt-mode lowdiff",
+            {"mode": "lowdiff-plus", "options": DiffCkptOptions(keeper_writes_log=True)},
+            "keeper_writes_log=true is for --diffckpt-mode lowdiff",
+        ),
+        (
+            {"mode": "lowdiff", "keeper": "off", "options": DiffCkptOptions(keeper_replica=True)},
+            "--diffckpt-option keeper_replica=true needs the keeper: drop --diffckpt-keeper off",
+        ),
+        (
+            {"mode": "lowdiff", "options": DiffCkptOptions(diff_log=False)},
+            "diff_log=false is for --diffckpt-mode lowdiff-plus",
+        ),
+        (
+            {
+                "mode": "lowdiff",
+                "options": DiffCkptOptions(keeper_replica=True, keeper_kept_bases=False),
+            },
+            "keeper_replica=true needs keeper_kept_bases",
+        ),
+        (
+            {
+                "mode": "lowdiff-plus",
+                "auto_tune": True,
+                "options": DiffCkptOptions(keeper_replica=True),
+            },
+            "keeper_replica=true is for lowdiff-plus without --diffckpt-auto-tune",
         ),
     ],
 )
@@ -89,4 +210,4 @@ def test_choices_are_enforced_by_the_parser(capsys):
 def test_lowdiff_plus_auto_tune_needs_the_diff_log_it_measures():
     DiffCkptConfig(mode="lowdiff-plus", auto_tune=True)  # chooses between the log and bases
     with pytest.raises(DiffCkptUsageError, match="measures the diff log"):
-        DiffCkptConfig(mode="lowdiff-plus", auto_tune=True, plus_no_diff_log=True)
+        DiffCkptConfig(mode="lowdiff-plus", auto_tune=True, options=DiffCkptOptions(diff_log=False))

@@ -19,7 +19,7 @@ each killing one rank or all, drawn. The other faults come at points drawn at ra
 An attempt whose drawn point did not come within a few iterations is killed whole
 (``fallback``). For each fault the test reports what the job had completed, where the next
 attempt recovered to, and the iterations lost. A fault may lose what was not durable yet: the
-batch being written and the ``--diffckpt-max-pending`` batches that may wait for the writer,
+batch being written and the ``--diffckpt-option max_pending`` batches that may wait for the writer,
 (1 + max-pending) B iterations (LowDiff), or B + max-pending (LowDiff+, whose merger may lag by
 its snapshot slots); while the writer keeps up, B (the report shows each fault's loss; on a
 loaded 2-core machine the background writer has fallen 2 iterations behind). The final state
@@ -212,7 +212,8 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
     ckpt, dumps = tmp_path / "ckpt", tmp_path / "final"
     job = [*COMMON, "--train-iters", str(TOTAL), "--save", str(ckpt), "--load", str(ckpt),
            "--save-interval", str(F), "--diffckpt-mode", mode, "--diffckpt-batch-size", str(B),
-           "--diffckpt-max-pending", str(MAX_PENDING), "--dump-state", str(dumps)]  # fmt: skip
+           "--diffckpt-option", f"max_pending={MAX_PENDING}",
+           "--dump-state", str(dumps)]  # fmt: skip
     # The first iterations' points; every kind once, in a random order (a replay once there is
     # one); then random draws.
     early = list(EARLY)

@@ -22,6 +22,8 @@ import psutil
 import pytest
 import torch
 from launch import (
+    KEPT_BASE_ONLY,
+    LAUNCH,
     REPO,
     RUN_TIMEOUT_S,
     TINY_GPT,
@@ -287,7 +289,6 @@ def test_fill_log_on_a_full_filesystem_stops_in_one_line_and_leaves_nothing(tmpf
     assert not any(rank_dir.iterdir())
 
 
-NODE_LAUNCHER = REPO / "examples" / "gpt" / "node_launcher.py"
 PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 
 
@@ -347,13 +348,13 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path, w
     """Batches of 8 iterations: when the ranks die after iteration 11, storage holds 1-8 and the
     keeper the rest (read with the ranks stopped, before the kill); the restarted ranks recover
     to no less than every rank's keeper acknowledged, and the run ends equal to an
-    uninterrupted one (``torch.equal``). With ``--diffckpt-keeper-writes-log`` the keeper
+    uninterrupted one (``torch.equal``). With ``--diffckpt-option keeper_writes_log`` the keeper
     writes the log, and the part batch of each killed rank as its connection ends: storage
     alone then serves the whole recovery."""
     total, kill_after = 16, 11
     ckpt, common, diff = _straight_run_and_flags(tmp_path, total, batch=8)
-    diff += ["--diffckpt-keeper-writes-log"] if writes_log else []
-    cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64", "--standalone"]
+    diff += ["--diffckpt-option", "keeper_writes_log=true"] if writes_log else []
+    cmd = [str(LAUNCH), "--keeper-memory", "64", "--standalone"]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(PRETRAIN_GPT), *common, *diff]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
@@ -474,8 +475,7 @@ class TwoNodes:
                 n.kill()
 
     def _node(self, rank: int) -> subprocess.Popen:
-        cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64"]
-        cmd += ["--diffckpt-keeper-peers", str(self.tmp_path / "peers")]
+        cmd = [str(LAUNCH), "--keeper-memory", "64", "--keeper-peers", str(self.tmp_path / "peers")]
         cmd += ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"]
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
         cmd += ["--rdzv-id", "two-nodes", "--max-restarts", "3", str(PRETRAIN_GPT)]
@@ -578,7 +578,7 @@ def _straight_run_and_flags(
     run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
     diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", str(batch), "--save", str(ckpt)]
     diff += ["--load", str(ckpt), "--diffckpt-full-interval", "1000"]
-    diff += ["--dump-state", str(tmp_path / "resumed")]
+    diff += ["--dump-state", str(tmp_path / "resumed"), *KEPT_BASE_ONLY]
     return ckpt, common, diff
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launch import assert_same_state, load_dumps, run_cli
+from launch import KEPT_BASE_ONLY, assert_same_state, load_dumps, run_cli
 from test_keeper import (
     ME,
     TwoNodes,
@@ -375,10 +375,14 @@ def _covered(rank_dir: Path) -> set[int]:
 def test_ranks_killed_recover_from_the_keepers_without_reading_storage(tmp_path, kept):
     """Bases every 5 (synchronous), batches of 8: rank 1 dies after handing iteration 12 over.
     The restarted ranks take base 10 from their keepers (storage's is not read) and replay 11-12
-    from the keepers' records, or with ``--diffckpt-keeper-replica`` take iteration 12 from
+    from the keepers' records, or with their replicas (``--diffckpt-keeper auto``) take 12 from
     their keepers' replicas (base 10 stepped with 11 and 12) and replay nothing; either way
     storage's log is made to reach 12, and the run ends equal to an uninterrupted one."""
-    extra = ["--diffckpt-keeper-replica"] if kept == "replica" else []
+    extra = (
+        ["--diffckpt-option", "keeper_writes_log=false"]
+        if kept == "replica"
+        else list(KEPT_BASE_ONLY)
+    )
     common, ckpt, diff = _lowdiff_job(tmp_path, 16, *extra)
     proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
     log = _finish(proc, lines)
@@ -400,7 +404,7 @@ def test_ranks_killed_recover_from_the_keepers_without_reading_storage(tmp_path,
 
 
 def test_the_keepers_replica_steps_each_differential_one_behind_as_a_replay_would(tmp_path):
-    """LowDiff's replica in the keeper (``--diffckpt-keeper-replica``): a kept base, stepped
+    """LowDiff's replica in the keeper (``--diffckpt-option keeper_replica``): a kept base, stepped
     with each differential a rank hands over, one behind, equals the training state bit for
     bit; its recovery record carries every generator's state, those a differential left out
     included; a differential that does not follow it is refused."""
@@ -439,7 +443,7 @@ def test_a_base_the_keepers_hold_but_storage_never_published_is_recovered(tmp_pa
     it recovers 10 with nothing replayed and reads no base from storage, writes storage's log
     up to 10 (a later restart from storage alone gets there too), and ends equal to an
     uninterrupted run."""
-    common, ckpt, diff = _lowdiff_job(tmp_path, 14, "--async-save")
+    common, ckpt, diff = _lowdiff_job(tmp_path, 14, "--async-save", *KEPT_BASE_ONLY)
     proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "base-kept:2@1"})
     log = _finish(proc, lines)
     assert "failpoint base-kept #2: SIGKILL of rank 1" in log
@@ -468,15 +472,15 @@ def test_top_k_residuals_come_back_from_the_keepers_base_as_from_storages(tmp_pa
     """The top-k exchange: a base holds every rank's error-feedback residuals, which no
     differential rebuilds. The same fault (rank 1 dies after handing iteration 12 over, bases
     every 5) recovered from the keepers' base 10, from their replicas at 12
-    (``--diffckpt-keeper-replica``: base 10's residuals) and from storage's base
-    (``--diffckpt-keeper-no-base``) ends in the same state, ``torch.equal``, and the same
-    losses: the keeper gave back the residuals storage's base holds."""
+    (``--diffckpt-option keeper_replica``: base 10's residuals) and from storage's base
+    (``--diffckpt-option keeper_kept_bases=false``) ends in the same state, ``torch.equal``,
+    and the same losses: the keeper gave back the residuals storage's base holds."""
     common, _ = _keeper_job(tmp_path, total=16, full_interval=5)
     ends = {}
     variants = {
-        "keeper": [],
-        "replica": ["--diffckpt-keeper-replica"],
-        "storage": ["--diffckpt-keeper-no-base"],
+        "keeper": list(KEPT_BASE_ONLY),
+        "replica": ["--diffckpt-option", "keeper_writes_log=false"],
+        "storage": ["--diffckpt-option", "keeper_kept_bases=false,keeper_writes_log=false"],
     }
     for name, extra in variants.items():
         ckpt = tmp_path / name
@@ -509,7 +513,7 @@ def test_top_k_residuals_come_back_from_the_keepers_base_as_from_storages(tmp_pa
 
 @pytest.mark.distributed
 def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_path):
-    """One machine as two nodes (keepers in a ring), ``--diffckpt-keeper-replica``, bases
+    """One machine as two nodes (keepers in a ring), LowDiff's replicas in the keepers, bases
     every 5: each keeper sends its replicas to the next node's keeper, then every differential
     it stepped them with. After iteration 12 node 1 is lost whole (its rank stopped first, so
     that its keeper's last steps reach node 0, then launcher, keeper, agent and rank SIGKILLed)
@@ -518,7 +522,7 @@ def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_
     the run ends equal to an uninterrupted one."""
     text, acked = _node_1_lost_whole(
         tmp_path,
-        ["--diffckpt-keeper-replica"],
+        ["--diffckpt-option", "keeper_writes_log=false"],
         lambda held: [c["system"] for c in held["copies"]] == ["LowDiff"],
         lambda sock: replicas_acknowledged([sock], 2, copies=True),
     )
@@ -552,7 +556,7 @@ def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_pat
     1's from node 0's copy), and the run ends equal to an uninterrupted one."""
     text, acked = _node_1_lost_whole(
         tmp_path,
-        [],
+        list(KEPT_BASE_ONLY),
         lambda held: any(b["copy"] and b["iteration"] == 10 for b in held["bases"]),
         lambda sock: chains_acknowledged([sock], 2),
     )

@@ -1,4 +1,4 @@
-"""LowDiff's diff log written by the node's keeper (``--diffckpt-keeper-writes-log``): a real
+"""LowDiff's diff log written by the node's keeper (``--diffckpt-option keeper_writes_log``): a real
 keeper process writes segments byte for byte as the rank's own writer does, from the records as
 they were handed over; a rank SIGKILLed mid-batch leaves nothing unwritten (the keeper writes
 its part batch when the connection ends); a rank whose keeper is SIGKILLed writes its log itself
@@ -33,7 +33,7 @@ from megatron_diffckpt.storage.writer import OWNER_FILE, DiffLogOwnershipError, 
 
 def _writer(root: Path, keeper: KeeperClient | None, batch: int, **kwargs) -> DiffLogWriter:
     cls = DiffLogWriter if keeper is None else KeeperLogWriter
-    return cls(str(root), ME, "identity", batch, keeper=keeper, direct_io=False, **kwargs)
+    return cls(str(root), ME, "identity", batch, sink=keeper, direct_io=False, **kwargs)
 
 
 def _assert_log_holds(root: Path, last: int) -> None:

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,9 +21,8 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from launch import REPO, RUN_TIMEOUT_S, TINY_GPT, run_cli, run_gpt
+from launch import LAUNCH, REPO, RUN_TIMEOUT_S, TINY_GPT, run_cli, run_gpt
 from test_keeper import (
-    NODE_LAUNCHER,
     PRETRAIN_GPT,
     TwoNodes,
     _assert_ends_as_straight,
@@ -343,7 +341,7 @@ def test_a_replica_over_the_keepers_cap_is_refused_naming_the_flag(tmp_path):
         client = KeeperClient(sock, SegmentIdentity("run", 0, 0, 0, "layout"))
         merger = KeeperReplicaMerger(client, _layout())
         merger.slot_buffer(0, "b0", NUMEL, torch.float32)
-        with pytest.raises(DiffCkptUsageError, match="--diffckpt-keeper-memory"):
+        with pytest.raises(DiffCkptUsageError, match="--keeper-memory"):
             merger.anchor([_training_optimizer()], 0)
         folder = client.shm_folder()
         assert os.listdir(folder) == []  # the refused replica's files removed
@@ -361,7 +359,7 @@ def _keeper_job(tmp_path: Path, total: int, full_interval: int) -> tuple[list[st
     common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
     common += ["--train-iters", str(total)]
     run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
-    plus = ["--diffckpt-mode", "lowdiff-plus", "--diffckpt-plus-keeper-replica"]
+    plus = ["--diffckpt-mode", "lowdiff-plus"]  # --diffckpt-keeper auto: the replica in the keeper
     plus += ["--save", str(ckpt), "--load", str(ckpt)]
     plus += ["--diffckpt-full-interval", str(full_interval)]
     return common, [*plus, "--dump-state", str(tmp_path / "resumed")]
@@ -369,7 +367,7 @@ def _keeper_job(tmp_path: Path, total: int, full_interval: int) -> tuple[list[st
 
 def _launch(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
     """The node launcher with a keeper and one torchrun restart; its output lines, followed."""
-    cmd = [sys.executable, str(NODE_LAUNCHER), "--diffckpt-keeper-memory", "64", "--standalone"]
+    cmd = [str(LAUNCH), "--keeper-memory", "64", "--standalone"]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(PRETRAIN_GPT), *args]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(
@@ -442,7 +440,7 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     wrote, to the newest iteration both ranks' logs hold. The keepers write the bases' files.
     """
     common, plus = _keeper_job(tmp_path, total=40, full_interval=5)
-    plus += ["--diffckpt-plus-keeper-writes-bases"]  # the storage fallback reads their bases
+    plus += ["--diffckpt-option", "keeper_writes_bases=true"]  # the storage fallback reads them
     proc, lines = _launch([*common, *plus])
     try:
         _wait_logged(lines, 11, proc)
@@ -469,7 +467,7 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     # every rank had 10 acknowledged once 11 was logged (11's first reduction waited for it)
     assert 10 <= acked <= int(got[1]) <= before + 1, (acked, int(got[1]), before)
     assert "loaded checkpoint from" not in first
-    # the keepers wrote the bases' files (--diffckpt-plus-keeper-writes-bases; the ranks
+    # the keepers wrote the bases' files (--diffckpt-option keeper_writes_bases; the ranks
     # planned and published them)
     assert "base of iteration 5 published (written by the node's keeper in" in first, first[-3000:]
     assert "writes its base's files itself" not in first

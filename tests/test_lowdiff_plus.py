@@ -119,7 +119,7 @@ def test_merger_base_loads_with_stock_dist_checkpointing_and_resumes_exactly(tmp
     run_gpt(
         2,
         *args,
-        *_plus(ckpt, 4, "--diffckpt-plus-no-diff-log"),
+        *_plus(ckpt, 4, "--diffckpt-option", "diff_log=false"),
         "--dump-state",
         str(tmp_path / "straight"),
     )

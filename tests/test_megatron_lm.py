@@ -38,7 +38,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, RUN_TIMEOUT_S, _env, run_cli, run_gpt, run_until_killed, tracker_at
+from launch import (
+    LAUNCH,
+    REPO,
+    RUN_TIMEOUT_S,
+    _env,
+    assert_help_lists_every_flag,
+    run_cli,
+    run_gpt,
+    run_script,
+    run_until_killed,
+    tracker_at,
+)
 
 from megatron_diffckpt.patches.base import installed_megatron_core_version, release_order
 
@@ -139,6 +150,14 @@ def _assert_same_checkpoint(expected: Path, got: Path, diff_dir: Path | None) ->
 def _run(*args: str, torchrun: bool = False) -> str:
     proc = run_gpt(2, *args, script=SCRIPT, torchrun=torchrun)
     return proc.stdout + proc.stderr
+
+
+def test_help_lists_every_diffckpt_flag_beside_megatron_lms():
+    """Megatron-LM's in-process restart wrapper parses the flags before ``pretrain()``, without
+    the ``--diffckpt-*`` ones: the entry shows Megatron-LM's help with them."""
+    proc = run_script("--help", script=SCRIPT)
+    assert_help_lists_every_flag(proc)
+    assert "--tensor-model-parallel-size" in proc.stdout
 
 
 @pytest.mark.distributed
@@ -328,12 +347,11 @@ def test_lowdiff_plus_bases_equal_stock_saves_and_recovery_is_exact(
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
 
 
-def _killed_under_the_node_launcher(args: list[str], failpoint: str) -> str:
+def _killed_under_the_launcher(args: list[str], failpoint: str) -> str:
     """Train to TOTAL under the node launcher with a keeper and one torchrun restart, rank 1
     killed at ``failpoint`` (``NAME:N@1``); the log from the kill on (the restarted attempt's
     lines come after it)."""
-    launcher = REPO / "examples" / "gpt" / "node_launcher.py"
-    cmd = [sys.executable, str(launcher), "--diffckpt-keeper-memory", "64", "--standalone"]
+    cmd = [str(LAUNCH), "--keeper-memory", "64", "--standalone"]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT), *args]
     cmd += ["--train-iters", str(TOTAL)]
     env = dict(_env(), DIFFCKPT_FAILPOINT=failpoint)
@@ -360,9 +378,9 @@ def test_lowdiff_plus_with_its_replica_in_the_keeper_recovers_past_the_base_exac
     straight, expected_losses = straight_runs(layout)
     ckpt = tmp_path / "ckpt"
     plus = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
-    plus += ["--diffckpt-mode", "lowdiff-plus", "--diffckpt-plus-keeper-replica"]
-    plus += ["--diffckpt-plus-keeper-writes-bases"]
-    restarted = _killed_under_the_node_launcher([*gpt, *plus], "plus-hand-over:9@1")
+    plus += ["--diffckpt-mode", "lowdiff-plus"]  # --diffckpt-keeper auto: the replica there
+    plus += ["--diffckpt-option", "keeper_writes_bases=true"]
+    restarted = _killed_under_the_launcher([*gpt, *plus], "plus-hand-over:9@1")
     kept = "recovery: iteration 8 from the replica in the node's keeper"
     assert kept in restarted, restarted[-4000:]
     assert re.search(r"recovered to iteration 8 \(base 5\)", restarted)
@@ -384,17 +402,17 @@ def test_lowdiff_recovers_from_the_keepers_base_newer_than_the_one_megatron_lm_l
     rank 1 dies right after its keeper acknowledged base 10, before Megatron-LM finalized the
     save. The restarted ranks (Megatron-LM loads base 5) take the keepers' base 10 in place of
     base 5 (nothing to replay: 10 is the newest iteration both ranks ended), or with
-    ``--diffckpt-keeper-replica`` the keepers' replicas at 10, and the final checkpoint and
-    the losses equal the uninterrupted run's. With the keepers' base, the keepers also write the
-    diff log (``--diffckpt-keeper-writes-log``)."""
+    ``--diffckpt-keeper auto`` alone (the replica) the keepers' replicas at 10, and the final
+    checkpoint and the losses equal the uninterrupted run's. The keepers write the diff log
+    either way."""
     layout = "dp2-async-save"
     gpt = [*GPT, *LAYOUTS[layout][0].split()]
     straight, expected_losses = straight_runs(layout)
     ckpt = tmp_path / "ckpt"
     diff = ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
     diff += ["--diffckpt-mode", "lowdiff"]
-    diff += ["--diffckpt-keeper-replica"] if kept == "replica" else ["--diffckpt-keeper-writes-log"]
-    restarted = _killed_under_the_node_launcher([*gpt, *diff], "base-kept:2@1")
+    diff += [] if kept == "replica" else ["--diffckpt-option", "keeper_replica=false"]
+    restarted = _killed_under_the_launcher([*gpt, *diff], "base-kept:2@1")
     loaded = re.search(r"loaded checkpoint from .* at iteration (\d+)", restarted)
     # base 10 is never finalized: the killed rank could not take part
     assert loaded is not None and loaded[1] == "5", restarted[-4000:]
@@ -447,7 +465,7 @@ def test_killed_before_its_first_interval_base_the_job_recovers_from_its_start(
 ):
     """A job from scratch saves its starting point (base 0) as it starts: killed after
     iteration 2, long before its first --save-interval base, it loses at most B iterations
-    (LowDiff) or B + --diffckpt-max-pending (LowDiff+), and ends equal to uninterrupted
+    (LowDiff) or B + --diffckpt-option max_pending (LowDiff+), and ends equal to uninterrupted
     training."""
     flags, rank_dirs = LAYOUTS["dp2-async-save"]
     straight, expected_losses = straight_runs("dp2-async-save")
@@ -528,8 +546,8 @@ def test_auto_tune_moves_megatron_lms_save_interval(tmp_path):
     Megatron-LM's saves follow the agreed F (its --save-interval)."""
     ckpt = tmp_path / "ckpt"
     log = _run(*GPT, "--train-iters", "24", "--save", str(ckpt), "--save-interval", "3",
-               "--diffckpt-mode", "lowdiff", "--diffckpt-auto-tune", "--diffckpt-retune-interval",
-               "4", "--diffckpt-mtbf-hours", "1000")  # fmt: skip
+               "--diffckpt-mode", "lowdiff", "--diffckpt-auto-tune", "--diffckpt-option",
+               "retune_interval=4", "--diffckpt-mtbf-hours", "1000")  # fmt: skip
     assert re.search(r"auto-tune at iteration 4: proposes F 3 -> \d+, B 1 -> \d+ .* from: ", log)
     changes = {
         int(m[1]): int(m[2])

@@ -119,12 +119,19 @@ def main() -> None:
     from megatron.training import inprocess_restart, pretrain
 
     mlm.train_valid_test_datasets_provider.is_distributed = True
-    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     extra = megatron_lm.add_arguments
     if mlm.has_nvidia_modelopt:
 
         def extra(parser):
             return megatron_lm.add_arguments(mlm.add_modelopt_args(parser))
+
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        # Megatron-LM's in-process restart wrapper parses the flags first, without ours: its
+        # parser with the --diffckpt-* flags prints the help (and exits) instead.
+        from megatron.training.arguments import parse_args
+
+        parse_args(extra_args_provider=extra)
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
 
     defaults = {"tokenizer_type": "GPT2BPETokenizer"}
     if hasattr(mlm, "pretrain_cfg_container_from_args"):

@@ -9,12 +9,14 @@ here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 python="${PYTHON:-$repo/.venv/bin/python}"
 [ -x "$python" ] || python=python3
+launch=("$(dirname "$python")/megatron-diffckpt-launch")
+[ -x "${launch[0]}" ] || launch=("$python" -m megatron_diffckpt.launch)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 
-# node_launcher.py runs torchrun and, when it ends, stops what the ranks left running (megatron's
-# checkpoint manager process outlives a killed rank).
-exec "$python" "$here/node_launcher.py" --standalone --nproc-per-node "${NPROC:-2}" \
+# megatron-diffckpt-launch runs torchrun and, when it ends, stops what the ranks left running
+# (megatron's checkpoint manager process outlives a killed rank).
+exec "${launch[@]}" --standalone --nproc-per-node "${NPROC:-2}" \
     "$here/pretrain_gpt.py" \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
     --seq-length 128 --max-position-embeddings 128 \

@@ -16,7 +16,7 @@ to the :class:`~megatron_diffckpt.manager.DiffCheckpointManager` through its pub
    resume at the recovered iteration; the RNG states are set again at the first ``train_step``,
    after building the data iterators drew from torch's generator), and capture starts
    (LowDiff: the optimizer-step hook; LowDiff+: bucket snapshots, pipeline bubbles, the replica).
-   With ``--diffckpt-plus-keeper-replica``, the node keepers' LowDiff+ replicas, newer than the
+   With ``--diffckpt-option keeper_replica``, the node keepers' LowDiff+ replicas, newer than the
    base, replace the loaded state instead of a replay (Megatron-LM has read the base by then;
    the example's loop asks the keepers first and reads no base).
 2. ``training.train_step``: after it, the iteration's differential is handed off (timed by

@@ -11,10 +11,10 @@ iterations, and durability stops advancing at the gap (a chain cannot be replaye
 :meth:`DiffLogWriter.rebase` names a base published after the gap. Errors of the background
 thread are raised by the next call from the training loop, never swallowed.
 
-With the node's keeper (:class:`~megatron_diffckpt.keeper.KeeperClient`), every record is first
-handed to it, in the caller's thread: once :meth:`DiffLogWriter.append` returns, the keeper holds
+With a sink (:class:`~megatron_diffckpt.storage.sink.RecordSink`: the node's keeper), every record
+is first handed to it, in the caller's thread: once :meth:`DiffLogWriter.append` returns, it holds
 the record in memory that outlives this rank (:attr:`DiffLogWriter.kept_iteration`), whatever
-storage has made durable yet. (With ``--diffckpt-keeper-writes-log`` the keeper writes the
+storage has made durable yet. (With ``--diffckpt-option keeper_writes_log`` the keeper writes the
 segments too: :class:`~megatron_diffckpt.keeper_log.KeeperLogWriter`.)
 
 Any rank, no collectives: each rank writes only its own folder.
@@ -46,7 +46,7 @@ from megatron_diffckpt.storage.format import (
 )
 
 if TYPE_CHECKING:
-    from megatron_diffckpt.keeper import KeeperClient
+    from megatron_diffckpt.storage.sink import RecordSink
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class DiffLogWriter:
         chain_start: the iteration of the base the first record follows.
         slow_hint: what to do when storage cannot keep up, for the warning that says so (once
             per writer, the first time a hand-over waits for it).
-        keeper: the node's keeper, handed every record before storage (``None``: storage only).
+        sink: handed every record before storage (the node's keeper; ``None``: storage only).
         durable_from: the newest iteration storage is known to hold when that is before
             ``chain_start`` (a chain that resumes after a gap: its segments count once a base
             after the gap is published, :meth:`rebase`); default ``chain_start``.
@@ -132,7 +132,7 @@ class DiffLogWriter:
         when_full: str = "block",
         chain_start: int = 0,
         slow_hint: str = "a larger --diffckpt-batch-size spreads each write's fixed cost",
-        keeper: KeeperClient | None = None,
+        sink: RecordSink | None = None,
         direct_io: bool = True,
         durable_from: int | None = None,
     ):
@@ -149,7 +149,7 @@ class DiffLogWriter:
         self.when_full = when_full
         self.direct_io = direct_io
         self.slow_hint = slow_hint
-        self.keeper = keeper
+        self.sink = sink
         self._slow_warned = False
         self.dir = os.path.join(root, identity.dirname())
         os.makedirs(self.dir, exist_ok=True)
@@ -183,8 +183,8 @@ class DiffLogWriter:
         """Take ownership of ``record`` (its tensors must not change afterwards)."""
         self._raise_background_error()
         self._advance(record.iteration)
-        if self.keeper is not None:
-            self.keeper.put(record)
+        if self.sink is not None:
+            self.sink.put(record)
         self._add(record)
 
     def _advance(self, iteration: int) -> None:
@@ -209,8 +209,8 @@ class DiffLogWriter:
 
     @property
     def kept_iteration(self) -> int | None:
-        """The newest iteration the node's keeper holds (``None`` without a keeper)."""
-        return None if self.keeper is None else self.keeper.held_iteration
+        """The newest iteration the sink (the node's keeper) holds (``None`` without one)."""
+        return None if self.sink is None else self.sink.held_iteration
 
     @property
     def backlog(self) -> int:
@@ -241,8 +241,8 @@ class DiffLogWriter:
         Records after it that were written still count; a gap before it no longer matters. The
         training loop's order of records is unchanged. Any time, from the training loop.
         """
-        if self.keeper is not None:
-            self.keeper.published(base_iteration)
+        if self.sink is not None:
+            self.sink.published(base_iteration)
         with self._lock:
             if base_iteration > self._durable:
                 self._durable = base_iteration

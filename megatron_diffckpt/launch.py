@@ -1,0 +1,198 @@
+"""``megatron-diffckpt-launch``: torchrun for one node, with the node's keeper, and no process left
+behind when it ends.
+
+Usage (the launcher's own flags first, then torchrun's arguments as they are)::
+
+    megatron-diffckpt-launch [--keeper-memory MIB [--keeper-peers DIR]] \
+        --nproc-per-node 8 ... pretrain_gpt.py <Megatron flags> --diffckpt-mode lowdiff
+
+It runs ``python -m torch.distributed.run ARGS`` and returns its exit code; on Slurm ``srun``
+runs it once per node (``examples/gpt/slurm/pretrain_gpt.sbatch``). When a rank dies (a killed
+task, a failed node), torchrun ends, but processes the ranks started outlive them
+(megatron-core's checkpoint writer spawns a ``multiprocessing`` manager on first use, with a
+resource tracker): they would linger after the job, and on Slurm they count as the step's, so the
+step, ``srun`` and the job would wait for them forever instead of failing and being requeued.
+This launcher makes itself the *subreaper* of everything below it (Linux
+``PR_SET_CHILD_SUBREAPER``), so the orphans become its children, and kills them once torchrun has
+exited.
+
+``--keeper-memory MIB`` also starts the node's keeper (:mod:`megatron_diffckpt.keeper`) with that
+memory cap before torchrun, and stops it after: the memory tier, which the ranks use under
+``--diffckpt-keeper auto`` (the default), so that ranks restarted by torchrun
+(``--max-restarts``) recover from memory what storage had not made durable yet. The ranks find
+it through ``DIFFCKPT_KEEPER``. ``--keeper-peers DIR`` (a folder every node sees) puts the
+keepers of the job's nodes in a ring, each copying to the next node's
+(:mod:`megatron_diffckpt.keeper_peers`), so that a node lost whole recovers from its successor.
+The keeper's shared-memory folder (``/dev/shm``, named after the keeper's socket folder) is
+removed when the keeper stops, even one that died.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+KEEPER_FLAG = "--keeper-memory"
+PEERS_FLAG = "--keeper-peers"
+PROG = "megatron-diffckpt-launch"
+RETIRED = {"--diffckpt-keeper-memory": KEEPER_FLAG, "--diffckpt-keeper-peers": PEERS_FLAG}
+USAGE = f"""usage: {PROG} [--keeper-memory MIB [--keeper-peers DIR]] TORCHRUN_ARGS...
+
+torchrun (python -m torch.distributed.run) for one node, with the node's keeper, and no process
+left behind when it ends. Every argument after the launcher's own goes to torchrun as it is
+(see: python -m torch.distributed.run --help).
+
+options:
+  -h, --help           show this help and exit
+  --keeper-memory MIB  start the node's keeper with this memory cap: the memory tier that
+                       ranks restarted by torchrun recover from (--diffckpt-keeper auto)
+  --keeper-peers DIR   a folder every node sees: the keepers of the job's nodes form a ring,
+                       each copying to the next node's, so a node lost whole recovers from it
+"""
+KEEPER_START_S = 60.0
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def launcher_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """This launcher's leading ``--diffckpt-keeper-*`` flags (``FLAG VALUE`` or
+    ``FLAG=VALUE``), and torchrun's arguments after them."""
+    opts: dict[str, str] = {}
+    if argv and argv[0].split("=", 1)[0] in RETIRED:
+        old = argv[0].split("=", 1)[0]
+        raise SystemExit(f"{PROG}: {old} was retired; use {RETIRED[old]}")
+    while argv and argv[0].split("=", 1)[0] in (KEEPER_FLAG, PEERS_FLAG):
+        flag, _, value = argv[0].partition("=")
+        if not value:
+            if len(argv) < 2:
+                raise SystemExit(f"{PROG}: {flag} needs a value")
+            value, argv = argv[1], argv[1:]
+        opts[flag], argv = value, argv[1:]
+    if PEERS_FLAG in opts and KEEPER_FLAG not in opts:
+        raise SystemExit(f"{PROG}: {PEERS_FLAG} needs {KEEPER_FLAG} (the keeper's cap)")
+    if KEEPER_FLAG in opts:
+        try:
+            mib = float(opts[KEEPER_FLAG])
+        except ValueError:
+            mib = -1.0
+        if mib <= 0:
+            raise SystemExit(
+                f"{PROG}: {KEEPER_FLAG} takes a positive size in MiB, got {opts[KEEPER_FLAG]}"
+            )
+    return opts, argv
+
+
+def node_of(argv: list[str]) -> tuple[int, int]:
+    """``(node rank, nodes)`` of this launch: torchrun's ``--node-rank`` and ``--nnodes`` (the
+    largest of a range), else Slurm's ``SLURM_NODEID`` and ``SLURM_NNODES``, else ``(0, 1)``."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py"):
+            break  # the training script: its flags are not torchrun's
+        flag, _, value = arg.partition("=")
+        flag = flag.replace("_", "-")
+        if flag in ("--node-rank", "--nnodes"):
+            found[flag] = value or (argv[i + 1] if i + 1 < len(argv) else "")
+    rank = found.get("--node-rank", os.environ.get("SLURM_NODEID", "0"))
+    nnodes = found.get("--nnodes", os.environ.get("SLURM_NNODES", "1")).split(":")[-1]
+    return int(rank), int(nnodes)
+
+
+def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Popen, str]:
+    """The node's keeper, listening on a socket in a fresh private folder; with
+    ``PEERS_FLAG``, in the job's ring of keepers (advertised at ``DIFFCKPT_KEEPER_HOST``,
+    default this host's name)."""
+    sock = os.path.join(tempfile.mkdtemp(prefix="diffckpt-keeper-"), "socket")
+    cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
+    cmd += ["--memory-mib", opts[KEEPER_FLAG], "--shm-dir", shm_dir(sock)]
+    if PEERS_FLAG in opts:
+        node, nnodes = node_of(argv)
+        cmd += ["--peers", opts[PEERS_FLAG], "--node", str(node), "--nnodes", str(nnodes)]
+        if os.environ.get("DIFFCKPT_KEEPER_HOST"):
+            cmd += ["--host", os.environ["DIFFCKPT_KEEPER_HOST"]]
+    from megatron_diffckpt.failpoints import ENV as FAILPOINT_ENV
+
+    # fail points kill ranks (the keeper writes LowDiff+'s diff log, but is no rank)
+    keeper = subprocess.Popen(cmd, env={k: v for k, v in os.environ.items() if k != FAILPOINT_ENV})
+    deadline = time.monotonic() + KEEPER_START_S
+    while not os.path.exists(sock):
+        if keeper.poll() is not None or time.monotonic() > deadline:
+            keeper.kill()
+            raise SystemExit(f"{PROG}: the keeper did not start ({' '.join(cmd)})")
+        time.sleep(0.05)
+    return keeper, sock
+
+
+def shm_dir(sock: str) -> str:
+    """The keeper's shared-memory folder (LowDiff+'s replica), named after its socket's folder:
+    this launcher removes it even when the keeper died without removing it."""
+    from megatron_diffckpt.keeper import shared_memory_root
+
+    return os.path.join(shared_memory_root(), os.path.basename(os.path.dirname(sock)))
+
+
+def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
+    from megatron_diffckpt.keeper import stop
+
+    try:
+        stop(sock)
+        keeper.wait(timeout=30)
+    except (OSError, ConnectionError, subprocess.TimeoutExpired):
+        keeper.kill()
+    from megatron_diffckpt.keeper import remove_shm
+
+    shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+    remove_shm(shm_dir(sock))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun for this node (the console script ``megatron-diffckpt-launch``); returns
+    torchrun's exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+    except (AttributeError, OSError):
+        pass  # not Linux: orphans are reparented to init, as without this launcher
+    opts, argv = launcher_options(argv)
+    keeper, env = None, dict(os.environ)
+    # torchrun shares its rendezvous store with the ranks' process groups by default; a restart
+    # (--max-restarts) then can read the previous attempt's addresses and fail to connect
+    # (pytorch/pytorch#135712): each attempt's ranks get a store of their own instead.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if KEEPER_FLAG in opts:
+        keeper, env["DIFFCKPT_KEEPER"] = start_keeper(opts, argv)
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env)
+
+    def forward(signum, _frame):  # scancel / preemption reach torchrun, which stops the ranks
+        torchrun.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, forward)
+    rc = torchrun.wait()
+    if keeper is not None:
+        stop_keeper(keeper, env["DIFFCKPT_KEEPER"])
+    leftovers = psutil.Process().children(recursive=True)
+    for p in leftovers:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=30)
+    if leftovers:
+        print(f"{PROG}: killed {len(leftovers)} process(es) left by the ranks", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
