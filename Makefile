@@ -24,7 +24,7 @@ VENV_NEWEST := .venv-newest
 STAMP_NEWEST := $(VENV_NEWEST)/.installed
 MEGATRON_LM_NEWEST ?= $(patsubst %/core_v0.16.1,%/core_v0.19.0,$(SHARED_MEGATRON_LM))
 
-.PHONY: venv demo test test-quick test-newest lint bench clean slurm-deps slurm-test megatron-lm-test
+.PHONY: venv demo docs test test-quick test-newest lint bench clean slurm-deps slurm-test megatron-lm-test
 
 venv: $(STAMP)
 
@@ -45,10 +45,17 @@ $(MLM_STAMP): $(STAMP) requirements/megatron-lm.txt
 	$(VENV)/bin/python -m pip install --quiet -r requirements/megatron-lm.txt
 	@touch $(MLM_STAMP)
 
-# The test suite (what .ci/run runs), Megatron-LM's training loop included when a checkout is found.
+# The docs (docs/, Sphinx + MyST; the flag and command-line pages generated from the code), with
+# warnings as errors, into docs/_build/html.
+docs: $(STAMP)
+	$(VENV)/bin/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
+
+# The test suite (what .ci/run runs), Megatron-LM's training loop included when a checkout is found;
+# the lint, the import contracts and the docs first.
 test: $(STAMP) $(if $(MEGATRON_LM),$(MLM_STAMP))
-	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks docs
 	$(VENV)/bin/lint-imports --no-logo
+	$(MAKE) --no-print-directory docs
 	MEGATRON_LM="$(MEGATRON_LM)" $(VENV)/bin/python -m pytest --durations=20 tests
 
 # The whole suite against megatron-core 0.19.0 on Python 3.12 (its own venv and pins).
@@ -66,7 +73,7 @@ test-newest: $(STAMP_NEWEST)
 
 # The inner loop: the tests that start no training processes (about a minute).
 test-quick: $(STAMP)
-	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks docs
 	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/python -m pytest -q -m "not distributed" tests
 
@@ -96,9 +103,9 @@ megatron-lm-test: $(MLM_STAMP)
 	MEGATRON_LM="$(abspath $(MEGATRON_LM))" $(VENV)/bin/python -m pytest -q tests/test_megatron_lm.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks docs
 	$(VENV)/bin/lint-imports --no-logo
-	$(VENV)/bin/ruff format --check megatron_diffckpt examples tests benchmarks
+	$(VENV)/bin/ruff format --check megatron_diffckpt examples tests benchmarks docs
 
 clean:
-	rm -rf $(VENV) $(VENV_NEWEST) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEWEST) runs .pytest_cache docs/_build
