@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from megatron_diffckpt import keeper_base  # noqa: E402
-from megatron_diffckpt.keeper import KeeperClient, query, stop  # noqa: E402
-from megatron_diffckpt.keeper_merger import load_replica  # noqa: E402
+from megatron_diffckpt.keeper import bases as keeper_base  # noqa: E402
+from megatron_diffckpt.keeper.client import KeeperClient, query, stop  # noqa: E402
+from megatron_diffckpt.keeper.replica_client import load_replica  # noqa: E402
 from megatron_diffckpt.shared_replica import build  # noqa: E402
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity  # noqa: E402
 

@@ -19,7 +19,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field, fields
 
-from megatron_diffckpt import keeper, retention
+from megatron_diffckpt import retention
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
     TRACKER_FILENAME,
@@ -29,7 +29,8 @@ from megatron_diffckpt.checkpoint_layout import (
 )
 from megatron_diffckpt.config import field_docs
 from megatron_diffckpt.export import ExportError, export_base
-from megatron_diffckpt.keeper import ENV as KEEPER_ENV
+from megatron_diffckpt.keeper.client import ENV as KEEPER_ENV
+from megatron_diffckpt.keeper.client import query as keeper_query
 from megatron_diffckpt.offline_merge import MergeError, merge_base
 from megatron_diffckpt.progress import Progress
 from megatron_diffckpt.scale_plan import JobSpec, compare, expected_loss_hours
@@ -152,7 +153,7 @@ def verify_dir(root: str, diff_dir: str | None = None) -> tuple[list[str], list[
 def _keeper_info(path: str) -> dict:
     """What the keeper at ``path`` holds, or why it could not be asked."""
     try:
-        return {"socket": path, **keeper.query(path)}
+        return {"socket": path, **keeper_query(path)}
     except (OSError, ConnectionError, ValueError) as exc:
         return {"socket": path, "error": str(exc)}
 

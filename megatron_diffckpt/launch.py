@@ -22,7 +22,7 @@ memory cap before torchrun, and stops it after: the memory tier, which the ranks
 (``--max-restarts``) recover from memory what storage had not made durable yet. The ranks find
 it through ``DIFFCKPT_KEEPER``. ``--keeper-peers DIR`` (a folder every node sees) puts the
 keepers of the job's nodes in a ring, each copying to the next node's
-(:mod:`megatron_diffckpt.keeper_peers`), so that a node lost whole recovers from its successor.
+(:mod:`megatron_diffckpt.keeper.peers`), so that a node lost whole recovers from its successor.
 The keeper's shared-memory folder (``/dev/shm``, named after the keeper's socket folder) is
 removed when the keeper stops, even one that died.
 """
@@ -134,20 +134,20 @@ def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Pope
 def shm_dir(sock: str) -> str:
     """The keeper's shared-memory folder (LowDiff+'s replica), named after its socket's folder:
     this launcher removes it even when the keeper died without removing it."""
-    from megatron_diffckpt.keeper import shared_memory_root
+    from megatron_diffckpt.keeper.server import shared_memory_root
 
     return os.path.join(shared_memory_root(), os.path.basename(os.path.dirname(sock)))
 
 
 def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
-    from megatron_diffckpt.keeper import stop
+    from megatron_diffckpt.keeper.client import stop
 
     try:
         stop(sock)
         keeper.wait(timeout=30)
     except (OSError, ConnectionError, subprocess.TimeoutExpired):
         keeper.kill()
-    from megatron_diffckpt.keeper import remove_shm
+    from megatron_diffckpt.keeper.server import remove_shm
 
     shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
     remove_shm(shm_dir(sock))

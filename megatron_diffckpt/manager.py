@@ -39,14 +39,7 @@ from typing import Any
 import psutil
 import torch
 
-from megatron_diffckpt import (
-    failpoints,
-    full_storage,
-    keeper_base,
-    keeper_merger,
-    recovery,
-    retention,
-)
+from megatron_diffckpt import failpoints, full_storage, recovery, retention
 from megatron_diffckpt.autotune import (
     Decision,
     OnlineTuner,
@@ -62,8 +55,10 @@ from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig, KeeperPlan
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.keeper import KeeperClient
-from megatron_diffckpt.keeper_log import KeeperLogWriter
+from megatron_diffckpt.keeper import bases, replica_client
+from megatron_diffckpt.keeper.client import KeeperClient
+from megatron_diffckpt.keeper.logs import KeeperLogWriter
+from megatron_diffckpt.keeper.protocol import Op
 from megatron_diffckpt.lowdiff import LowDiffStrategy
 from megatron_diffckpt.patches import base_checkpoint, optimizer_layout, optimizer_step
 from megatron_diffckpt.plus import LowDiffPlusStrategy
@@ -183,7 +178,7 @@ class DiffCheckpointManager:
         self._in_keeper = False  # LowDiff+'s replica lives in the node's keeper
         # LowDiff's bases staged in the node's keeper too
         self._stager = (
-            keeper_base.BaseStager(self.keeper, replica=self.plan.replica)
+            bases.BaseStager(self.keeper, replica=self.plan.replica)
             if self.plan.kept_bases
             else None
         )
@@ -202,7 +197,7 @@ class DiffCheckpointManager:
 
         LowDiff+ with ``--diffckpt-option keeper_replica``: from the keepers' replicas (nothing
         replayed). LowDiff under a keeper: from the newest base every rank's keeper holds
-        (:mod:`~megatron_diffckpt.keeper_base`), when it is at least ``storage_base`` (storage's
+        (:mod:`~megatron_diffckpt.keeper.bases`), when it is at least ``storage_base`` (storage's
         newest; newer than it when the loop ``loaded`` it already), then the differentials
         after it; with ``--diffckpt-option keeper_replica`` first from the keepers' replicas of that
         base stepped with the differentials (nothing replayed). Returns ``(iteration,
@@ -226,9 +221,9 @@ class DiffCheckpointManager:
         ]
 
     def _from_keepers_replicas(self, **lowdiff: Any) -> Any:
-        """:func:`~megatron_diffckpt.keeper_merger.recover_from_keepers` for this rank
+        """:func:`~megatron_diffckpt.keeper.replica_client.recover_from_keepers` for this rank
         (``lowdiff``: LowDiff's bounds and residuals). All ranks, collectively."""
-        return keeper_merger.recover_from_keepers(
+        return replica_client.recover_from_keepers(
             self.keeper,
             self._torch_optimizers(),
             lambda: optimizer_step.publish_main_params(self.optimizer),
@@ -287,8 +282,8 @@ class DiffCheckpointManager:
         since_process_start = _seconds_since_process_start()
         start = time.perf_counter()
         scan, chain, _, _ = self._chain(storage_base)
-        offered = keeper_base.offered_bases(self.keeper)
-        agreed = keeper_base.agree_on_kept_base(
+        offered = bases.offered_bases(self.keeper)
+        agreed = bases.agree_on_kept_base(
             offered, storage_base, chain.last_iteration, loaded, recovery.all_reduce_min
         )
         if agreed is None:
@@ -301,7 +296,7 @@ class DiffCheckpointManager:
             return None
         base, target = agreed
         row, record = offered.bases[base]
-        keeper_base.load_kept_base(row, self._torch_optimizers(), self.residuals)
+        bases.load_kept_base(row, self._torch_optimizers(), self.residuals)
         optimizer_step.publish_main_params(self.optimizer)
         restore_rng([record], self.rng_tracker)
         load_s = time.perf_counter() - start
@@ -416,9 +411,9 @@ class DiffCheckpointManager:
         keeper writes what it holds and then nothing more until this rank opens its replica or
         log again, so nothing of an earlier attempt lands after the cut."""
         if self.config.mode == "lowdiff-plus" and self.plan.replica:
-            self.keeper.call({"op": "replica_log_flush"})
+            self.keeper.call({"op": Op.REPLICA_LOG_FLUSH})
         elif self.config.mode == "lowdiff" and self.keeper:  # --diffckpt-option keeper_writes_log
-            self.keeper.call({"op": "log_close"})
+            self.keeper.call({"op": Op.LOG_CLOSE})
 
     def _storage_tracker(self) -> int:
         """The iteration storage's tracker names (0: none yet)."""
@@ -535,7 +530,7 @@ class DiffCheckpointManager:
             )
         keeper_log = None
         if in_keeper and self.config.options.diff_log:
-            # the keeper writes the diff log from its merges (keeper_replica.ReplicaLog)
+            # the keeper writes the diff log from its merges (keeper.replicas.ReplicaLog)
             keeper_log = {
                 "root": self.dir,
                 "compressor": self._compressor_name(),
@@ -549,7 +544,7 @@ class DiffCheckpointManager:
             }
         writer_class = DiffLogWriter
         if self.plan.writes_log:
-            writer_class = KeeperLogWriter  # the keeper writes the segments (keeper_log)
+            writer_class = KeeperLogWriter  # the keeper writes the segments (keeper.logs)
         elif self.keeper is None and self.config.forced("keeper_writes_log"):
             logger.warning(
                 "--diffckpt-option keeper_writes_log=true: no keeper runs on this node (start "
@@ -706,7 +701,7 @@ class DiffCheckpointManager:
 
     def _stage_kept_base(self, iteration: int) -> float:
         """LowDiff under a keeper: begin staging the base of ``iteration`` (the training state,
-        before the next step) in the keeper's memory too (:mod:`~megatron_diffckpt.keeper_base`;
+        before the next step) in the keeper's memory too (:mod:`~megatron_diffckpt.keeper.bases`;
         the shard is copied while the next iteration's passes run, and its step waits for it);
         the seconds training was blocked. Only a base after an iteration this process trained
         (its counters are the last differential's): a job's starting point is storage's alone."""
@@ -731,7 +726,7 @@ class DiffCheckpointManager:
             logger.warning(
                 "the node's keeper did not take a base (%s): a restart loads storage's base (%s)",
                 why,
-                keeper_merger.KEEPER_FLAG_HINT,
+                replica_client.KEEPER_FLAG_HINT,
             )
 
     def _base_fits(self, iteration: int) -> bool:

@@ -17,7 +17,7 @@ this module holds the order of things:
    save function plans a stock dist checkpoint of the copy (a collective; see
    :mod:`megatron_diffckpt.strategy` for its protocol); a persister thread writes it (with the
    replica in the node's keeper and ``--diffckpt-option keeper_writes_bases``: the keeper writes
-   the files, staged in shared memory, :mod:`~megatron_diffckpt.keeper_writes`), and once
+   the files, staged in shared memory, :mod:`~megatron_diffckpt.keeper.writes`), and once
    every rank has written, the training thread finalizes it (metadata last) and publishes it.
 
 Collective rule: :meth:`start`, :meth:`end_iteration`, :meth:`save_base` and :meth:`close` are
@@ -39,8 +39,8 @@ import torch
 from megatron_diffckpt import failpoints, full_storage, recovery
 from megatron_diffckpt.background import CpuMeter, lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
-from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
-from megatron_diffckpt.keeper_writes import HandedWrites, StagingArea
+from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger
+from megatron_diffckpt.keeper.writes import HandedWrites, StagingArea
 from megatron_diffckpt.patches import (
     base_checkpoint,
     bucket_snapshot,
@@ -92,9 +92,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         on_base_failed: ``(iteration, exc)``, all ranks together, when a base's finalize step
             raised on every rank (a full disk); it re-raises what it does not handle.
         keeper: the node's keeper client when the replica and its merger live there
-            (:mod:`~megatron_diffckpt.keeper_replica`; one more snapshot slot, in shared memory).
+            (:mod:`~megatron_diffckpt.keeper.replicas`; one more snapshot slot, in shared memory).
         keeper_log: with ``keeper``, the settings of the diff log the keeper writes from its
-            merges (:class:`~megatron_diffckpt.keeper_replica.ReplicaLog`); ``None``: none.
+            merges (:class:`~megatron_diffckpt.keeper.replicas.ReplicaLog`); ``None``: none.
         keeper_writes_bases: with ``keeper``, the keeper writes each base's files (the tensors
             megatron's planner hands its writer, staged in the keeper's shared-memory folder);
             else this rank does.

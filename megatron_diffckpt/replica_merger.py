@@ -170,7 +170,7 @@ def _copy_state(
 
 class QueuedMerges:
     """What both mergers share (in-process :class:`ReplicaMerger`, and the keeper's
-    :class:`~megatron_diffckpt.keeper_merger.KeeperReplicaMerger`): merge jobs queued to one
+    :class:`~megatron_diffckpt.keeper.replica_client.KeeperReplicaMerger`): merge jobs queued to one
     background thread in submission order, and the newest merged iteration, to wait on.
 
     The training thread calls :meth:`submit`, :meth:`wait_idle`, :meth:`close`; the background

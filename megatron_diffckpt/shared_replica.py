@@ -5,8 +5,8 @@ A replica (the torch optimizers of one rank's shard: main parameters, Adam momen
 ``{"file", "shape", "dtype"}`` spec) and *built* again from that description in another
 process (:func:`build`) over the same pages: files of a shared-memory folder (``/dev/shm``)
 mapped shared (:func:`map_tensor`), so that writes by one process are seen by the other. A rank
-creates the files (:class:`SharedArena`); :mod:`~megatron_diffckpt.keeper_replica` is the
-keeper's side, :mod:`~megatron_diffckpt.keeper_merger` the rank's.
+creates the files (:class:`SharedArena`); :mod:`~megatron_diffckpt.keeper.replicas` is the
+keeper's side, :mod:`~megatron_diffckpt.keeper.replica_client` the rank's.
 
 Any process, any thread; nothing here talks to another process.
 """

@@ -124,7 +124,7 @@ class BucketSnapshotter:
             GPU the copies are the device's).
         buffer: ``(slot, bucket key, numel, dtype) -> tensor``: where the host buffers live
             (default: process memory, pinned on GPU; the keeper's replica maps them into
-            shared memory, :mod:`~megatron_diffckpt.keeper_replica`).
+            shared memory, :mod:`~megatron_diffckpt.keeper.replicas`).
     """
 
     def __init__(
@@ -180,8 +180,8 @@ class BucketSnapshotter:
         """Called on the training thread before an iteration's slot is taken, at its first
         bucket (:meth:`before_reduction`, else :meth:`on_bucket_ready`): the keeper's merger
         waits there for the previous iteration's hand-over
-        (:meth:`~megatron_diffckpt.keeper_merger.KeeperReplicaMerger.attach`). Its time counts
-        in :attr:`slot_wait_seconds`."""
+        (:meth:`~megatron_diffckpt.keeper.replica_client.KeeperReplicaMerger.attach`). Its time
+        counts in :attr:`slot_wait_seconds`."""
         self._path_seconds = 0.0
         self.iteration_path_seconds = 0.0
         """Training-thread time spent here in the last finished iteration: issuing copies,

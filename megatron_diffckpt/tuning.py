@@ -45,7 +45,7 @@ the iteration in flight, :math:`C_k(F) = R_k + x + t/2` from replicas in the kee
 ``--diffckpt-option keeper_replica``) or :math:`R_k + \ell_k + \tfrac{F}{2} r + t/2` from
 their differentials, with the base from their memory (``kept_base_load_s``, :math:`\ell_k`) or
 from storage (:math:`\ell_k = \ell`). With the keepers' ring
-(:mod:`~megatron_diffckpt.keeper_peers`), a further share :math:`q_p` (``peer_share``) loses a
+(:mod:`~megatron_diffckpt.keeper.peers`), a further share :math:`q_p` (``peer_share``) loses a
 node whole, its ranks and its keeper, while the next node's keeper holds its copy:
 :math:`C_p(F) = R_p + y + x + t/2` (or with :math:`\ell + \tfrac{F}{2} r` in place of
 :math:`x` without replicas: LowDiff's kept bases do not travel around the ring), the restart

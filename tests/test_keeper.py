@@ -35,8 +35,9 @@ from launch import (
 
 from megatron_diffckpt import recovery
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import OWNER, KeeperClient, KeeperState, query, stop
-from megatron_diffckpt.keeper_wire import FRAME, recv, send
+from megatron_diffckpt.keeper.client import KeeperClient, query, stop
+from megatron_diffckpt.keeper.server import OWNER, KeeperState
+from megatron_diffckpt.keeper.wire import FRAME, recv, send
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
 
@@ -167,7 +168,7 @@ def test_what_a_killed_client_handed_over_is_served_back_exactly(keeper, tmp_pat
         import os, signal, sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_keeper import ME, record
-        from megatron_diffckpt.keeper import KeeperClient
+        from megatron_diffckpt.keeper.client import KeeperClient
         client = KeeperClient({keeper!r}, ME)
         for i in range(1, 8):
             assert client.put(record(i))

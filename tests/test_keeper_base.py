@@ -31,11 +31,11 @@ from test_keeper import (
 )
 from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
 
-from megatron_diffckpt import keeper_base
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.exchange import ErrorFeedbackResiduals
-from megatron_diffckpt.keeper import KeeperClient, query, stop
-from megatron_diffckpt.keeper_replica import HostedReplica
+from megatron_diffckpt.keeper import bases as keeper_base
+from megatron_diffckpt.keeper.client import KeeperClient, query, stop
+from megatron_diffckpt.keeper.replicas import HostedReplica
 from megatron_diffckpt.replica_merger import _replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records

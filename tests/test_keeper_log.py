@@ -24,8 +24,8 @@ from launch import REPO, run_cli
 from test_keeper import ME, record, start_keeper
 
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import KeeperClient, query, stop
-from megatron_diffckpt.keeper_log import KeeperLogWriter
+from megatron_diffckpt.keeper.client import KeeperClient, query, stop
+from megatron_diffckpt.keeper.logs import KeeperLogWriter
 from megatron_diffckpt.storage.format import EncodedRecord, encode_record
 from megatron_diffckpt.storage.reader import scan_rank_log
 from megatron_diffckpt.storage.writer import OWNER_FILE, DiffLogOwnershipError, DiffLogWriter
@@ -104,7 +104,7 @@ def test_a_rank_killed_mid_batch_leaves_nothing_unwritten(keeper, tmp_path):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_keeper import ME, record
         from test_keeper_log import _writer
-        from megatron_diffckpt.keeper import KeeperClient
+        from megatron_diffckpt.keeper.client import KeeperClient
         from pathlib import Path
         writer = _writer(Path({str(root)!r}), KeeperClient({sock!r}, ME), 8)
         for i in range(1, 12):

@@ -36,9 +36,10 @@ from test_keeper import (
 from megatron_diffckpt.capture import record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.full_storage import StorageFullError
-from megatron_diffckpt.keeper import KeeperClient, KeeperState, query, stop
-from megatron_diffckpt.keeper_merger import KeeperReplicaMerger
-from megatron_diffckpt.keeper_replica import HostedReplica, HostedReplicas, ReplicaLog
+from megatron_diffckpt.keeper.client import KeeperClient, query, stop
+from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger
+from megatron_diffckpt.keeper.replicas import HostedReplica, HostedReplicas, ReplicaLog
+from megatron_diffckpt.keeper.server import KeeperState
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe, initial_adam_state
 from megatron_diffckpt.snapshot import BucketSnapshotter

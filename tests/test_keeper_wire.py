@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from megatron_diffckpt.keeper_wire import Parts, receive, recv_header, send, span
+from megatron_diffckpt.keeper.wire import Parts, receive, recv_header, send, span
 from megatron_diffckpt.shared_replica import SharedArena, map_tensor
 
 
@@ -128,3 +128,33 @@ def test_a_header_whose_tensors_do_not_fit_its_payload_is_refused(tmp_path, spec
     assert os.listdir(into) == []
     a.close()
     b.close()
+
+
+def test_every_request_the_package_sends_or_serves_is_named_by_the_protocol():
+    """No request name is a bare string: each ``{"op": ...}``, ``op == ...`` and ``op=...`` in
+    the package uses :class:`~megatron_diffckpt.keeper.protocol.Op`."""
+    import ast
+    from pathlib import Path
+
+    from megatron_diffckpt.keeper.protocol import Op
+
+    bare = []
+    for path in (Path(__file__).parent.parent / "megatron_diffckpt").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict):
+                pairs = zip(node.keys, node.values, strict=True)
+                bare += [
+                    f"{path.name}:{v.lineno}"
+                    for k, v in pairs
+                    if isinstance(k, ast.Constant) and k.value == "op"
+                    if isinstance(v, ast.Constant) and v.value in set(Op)
+                ]
+            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Name):
+                if node.left.id == "op":
+                    bare += [
+                        f"{path.name}:{c.lineno}"
+                        for c in node.comparators
+                        if isinstance(c, ast.Constant) and c.value in set(Op)
+                    ]
+    assert not bare, bare
+    assert len(set(Op)) == len(Op) and all(op.value == op.name.lower() for op in Op)

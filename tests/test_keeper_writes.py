@@ -19,8 +19,8 @@ import torch
 from launch import run_cli
 from test_keeper import ME, start_keeper
 
-from megatron_diffckpt.keeper import KeeperClient, query, stop
-from megatron_diffckpt.keeper_writes import HandedWrites, Mappings, StagingArea, dumps, loads
+from megatron_diffckpt.keeper.client import KeeperClient, query, stop
+from megatron_diffckpt.keeper.writes import HandedWrites, Mappings, StagingArea, dumps, loads
 from megatron_diffckpt.patches import base_checkpoint
 
 

@@ -53,7 +53,8 @@ def test_the_package_keeps_its_import_contracts():
     ("module", "line", "broken"),
     [
         ("recovery.py", "import megatron.core\n", "Below the manager"),
-        ("storage/reader.py", "from megatron_diffckpt import keeper\n", "storage/ knows nothing"),
+        ("storage/reader.py", "from megatron_diffckpt.keeper import client\n",
+         "storage/ knows nothing"),
         ("storage/format.py", "def f():\n    from megatron_diffckpt.patches import base\n",
          "Below the manager"),
         ("errors.py", "if False:\n    from megatron_diffckpt import config\n",

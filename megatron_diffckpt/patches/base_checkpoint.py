@@ -195,7 +195,7 @@ def split_async_request(
 
     ``run_writer(write_files, *args)`` runs megatron's file writer where the caller chooses
     (LowDiff+ with its replica in the node's keeper: in the keeper,
-    :mod:`~megatron_diffckpt.keeper_writes`) and returns what :func:`write_files` returns;
+    :mod:`~megatron_diffckpt.keeper.writes`) and returns what :func:`write_files` returns;
     default: here."""
     check_drift()
     if request is None or not hasattr(request, "finalize_fns"):

@@ -1,7 +1,7 @@
 """``RecordSink``: where a diff-log writer hands each record before storage.
 
 The writer (:class:`~megatron_diffckpt.storage.writer.DiffLogWriter`) knows storage only; a
-tier above it (the node's keeper, :class:`~megatron_diffckpt.keeper.KeeperClient`) plugs in
+tier above it (the node's keeper, :class:`~megatron_diffckpt.keeper.client.KeeperClient`) plugs in
 as a sink, so that ``storage/`` imports nothing of the tiers built on it.
 """
 

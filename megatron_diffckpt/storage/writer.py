@@ -15,7 +15,7 @@ With a sink (:class:`~megatron_diffckpt.storage.sink.RecordSink`: the node's kee
 is first handed to it, in the caller's thread: once :meth:`DiffLogWriter.append` returns, it holds
 the record in memory that outlives this rank (:attr:`DiffLogWriter.kept_iteration`), whatever
 storage has made durable yet. (With ``--diffckpt-option keeper_writes_log`` the keeper writes the
-segments too: :class:`~megatron_diffckpt.keeper_log.KeeperLogWriter`.)
+segments too: :class:`~megatron_diffckpt.keeper.logs.KeeperLogWriter`.)
 
 Any rank, no collectives: each rank writes only its own folder.
 """

@@ -32,17 +32,17 @@ replaying them. Here every base a rank saves is also staged in its keeper's memo
 rank's path (a thread of the keeper, after the reply), to the next node's keeper
 (``base_copy_put``: its files hard-linked, so a base dropped meanwhile still goes whole, and
 streamed from them into the successor's shared memory, never through either keeper's heap:
-:mod:`~megatron_diffckpt.keeper_wire`), which holds it under its cap as it holds its own (the
+:mod:`~megatron_diffckpt.keeper.wire`), which holds it under its cap as it holds its own (the
 newest, and the newest at or below the base published; dropped by the same records and
 publications, which travel the ring too). A node lost whole comes back with an empty keeper:
 asked for its ranks' bases, it fetches the successor's copies (``base_copy_fetch``) into files
 of its own folder and serves them as its own (``keeper: adopted the base of rank_0_0_1 at iteration
 10 from the keeper of node 0 (a peer)``), so its ranks too recover without reading storage's
-base, and replay the peer's differentials (:mod:`~megatron_diffckpt.keeper_peers`).
+base, and replay the peer's differentials (:mod:`~megatron_diffckpt.keeper.peers`).
 
 4. **Replica** (``--diffckpt-option keeper_replica``): from each kept base on, the keeper
    also steps a copy of it with every differential the rank hands over, one iteration behind
-   (:meth:`~megatron_diffckpt.keeper_replica.HostedReplicas.roll_from`), so that a restart
+   (:meth:`~megatron_diffckpt.keeper.replicas.HostedReplicas.roll_from`), so that a restart
    takes the recovered iteration's state from it and replays nothing; this replica does go
    around the ring.
 """
@@ -61,7 +61,8 @@ import torch
 
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
-from megatron_diffckpt.keeper_wire import Parts, Received, rank_name, span
+from megatron_diffckpt.keeper.protocol import Op
+from megatron_diffckpt.keeper.wire import Parts, Received, rank_name, span
 from megatron_diffckpt.replica_merger import _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
@@ -107,14 +108,14 @@ class KeptBase:
 
 class KeptBases:
     """Every rank's kept bases in one keeper (``state``: the
-    :class:`~megatron_diffckpt.keeper.KeeperState` whose cap they share; ``folder``: the
+    :class:`~megatron_diffckpt.keeper.server.KeeperState` whose cap they share; ``folder``: the
     keeper's shared-memory folder). Thread-safe."""
 
     def __init__(self, state: Any, folder: str, link: Any = None):
         self.state = state
         self.folder = folder
         self.link = link
-        """The ring (:class:`~megatron_diffckpt.keeper_peers.PeerLink`), or ``None``."""
+        """The ring (:class:`~megatron_diffckpt.keeper.peers.PeerLink`), or ``None``."""
         self._bases: dict[tuple, list[KeptBase]] = {}
         self._copies: dict[tuple, list[KeptBase]] = {}
         """The previous node's ranks' bases."""
@@ -127,7 +128,7 @@ class KeptBases:
     def handle(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """One ``base_*`` request; the reply (errors are replies)."""
         try:
-            if op == "base_put":
+            if op == Op.BASE_PUT:
                 base = KeptBase(
                     int(req["iteration"]), req["optimizers"], req["residuals"], bytes(payload)
                 )
@@ -135,7 +136,7 @@ class KeptBases:
                 if reply.get("ok") and self._sender is not None:  # the ring's copy, off the reply
                     self._sender.put((key, base.iteration))
                 return reply, b""
-            if op == "base_state":
+            if op == Op.BASE_STATE:
                 with self._lock:
                     held = list(self._bases.get(key, []))
                 if not held and self.link is not None:  # a fresh keeper: the successor's copies
@@ -154,10 +155,10 @@ class KeptBases:
         """A ``base_copy_*`` request of the previous node's keeper: ``put`` (one of its ranks'
         bases, held as a copy), ``fetch`` (the copies of one rank, for its fresh keeper)."""
         try:
-            if op == "base_copy_put":
+            if op == Op.BASE_COPY_PUT:
                 base = _received(req, payload, "a peer's copy")
                 return self._hold(self._copies, key, base, payload), b""
-            if op == "base_copy_fetch":
+            if op == Op.BASE_COPY_FETCH:
                 parts = Parts(self.folder)
                 try:
                     with self._lock:  # linked while held: a base dropped now stays whole
@@ -212,7 +213,7 @@ class KeptBases:
 
         def make(parts: Parts) -> dict | None:
             try:
-                return {"op": "base_copy_put", "identity": dict(key), **pack(base, parts)}
+                return {"op": Op.BASE_COPY_PUT, "identity": dict(key), **pack(base, parts)}
             except OSError:  # dropped before it was linked: a newer base follows
                 return None
 
@@ -221,7 +222,7 @@ class KeptBases:
     def _adopt(self, key: tuple) -> list[KeptBase]:
         """The successor's copies of the rank ``key``'s bases, held as this keeper's own (this
         keeper is new: its node was lost whole); none when it has none."""
-        reply = self.link.ask({"op": "base_copy_fetch", "identity": dict(key)}, into=self.folder)
+        reply = self.link.ask({"op": Op.BASE_COPY_FETCH, "identity": dict(key)}, into=self.folder)
         if reply is None:
             return []
         try:
@@ -375,7 +376,7 @@ def _prune(bases: list[KeptBase], published: int) -> tuple[list[KeptBase], list[
 # --------------------------------------------------------------------- the rank's side
 class BaseStager:
     """Stages this rank's bases into its keeper (``client``: its
-    :class:`~megatron_diffckpt.keeper.KeeperClient`), off the training path where it can.
+    :class:`~megatron_diffckpt.keeper.client.KeeperClient`), off the training path where it can.
 
     :meth:`start` (the training thread, right after a base's save call) copies the
     error-feedback residuals at once (the next backward pass changes them) and the optimizer
@@ -388,7 +389,7 @@ class BaseStager:
         self.client = client
         self.replica = replica
         """Ask the keeper to step a replica from each base on (``--diffckpt-option keeper_replica``:
-        :meth:`~megatron_diffckpt.keeper_replica.HostedReplicas.roll_from`)."""
+        :meth:`~megatron_diffckpt.keeper.replicas.HostedReplicas.roll_from`)."""
         self._thread: threading.Thread | None = None
         self._result = ""
         self.seconds = 0.0
@@ -449,7 +450,7 @@ class BaseStager:
             for i, o in enumerate(torch_optimizers)
         ]
         request = {
-            "op": "base_put",
+            "op": Op.BASE_PUT,
             "iteration": record.iteration,
             "optimizers": describe(optimizers, arena.spec),
             "residuals": residuals,
@@ -506,7 +507,7 @@ class OfferedBases:
 
 def offered_bases(client: Any) -> OfferedBases:
     """The bases this rank's keeper holds for it (none without a keeper). Any rank."""
-    reply = client.call({"op": "base_state"}) if client is not None else None
+    reply = client.call({"op": Op.BASE_STATE}) if client is not None else None
     if reply is None or "error" in reply[0]:
         return OfferedBases({})
     records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
@@ -545,7 +546,7 @@ def load_kept_base(
 ) -> None:
     """Copy the kept base ``row`` describes into the training ``torch_optimizers`` and the
     error-feedback ``residuals`` (``None``: dense exchange). Any rank."""
-    from megatron_diffckpt.keeper_merger import load_replica
+    from megatron_diffckpt.keeper.replica_client import load_replica
 
     load_replica(torch_optimizers, build(row["optimizers"]))
     if residuals is not None:

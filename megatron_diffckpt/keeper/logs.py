@@ -32,7 +32,7 @@ EncodedRecord`: no decoding, no second serialisation or checksum), with the rank
 This module holds both sides: :class:`KeeperLogs` (the keeper's, one lock per rank) and
 :class:`KeeperLogWriter` (the rank's, the training thread), and :func:`open_log`, the
 keeper's writer of a rank's log, which LowDiff+'s replica in the keeper shares
-(:class:`~megatron_diffckpt.keeper_replica.ReplicaLog`).
+(:class:`~megatron_diffckpt.keeper.replicas.ReplicaLog`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from typing import Any
 
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.full_storage import StorageFullError
+from megatron_diffckpt.keeper.protocol import Op
 from megatron_diffckpt.recovery import truncate_log
 from megatron_diffckpt.storage.format import (
     DiffLogFormatError,
@@ -145,15 +146,15 @@ class KeeperLogs:
         """``log_open`` (``spec``, ``iteration``), ``log_flush`` (``log``), ``log_close``
         (``log``; without it, whichever log the rank has: a restarted rank's before it cuts its
         folder)."""
-        if op == "log_open":
+        if op == Op.LOG_OPEN:
             return self._open(key, req, owner)
-        if op == "log_close" and "log" not in req:
+        if op == Op.LOG_CLOSE and "log" not in req:
             self._end(key, None)
             return {"ok": True}
         log = self._named(key, req)
         if log is None:
             return dict(_SUPERSEDED)
-        if op == "log_flush":
+        if op == Op.LOG_FLUSH:
             with log.lock:
                 if log.closed:
                     return dict(_SUPERSEDED)
@@ -163,7 +164,7 @@ class KeeperLogs:
                 except Exception as exc:  # noqa: BLE001 - the rank takes its log back
                     self._drop(key, log)
                     return _failure(exc)
-        if op == "log_close":
+        if op == Op.LOG_CLOSE:
             ended = self._end(key, log)
             return ended or {"logged": False, "why": "the keeper could not write it out"}
         return {"error": f"unknown request {op!r}"}
@@ -307,7 +308,7 @@ class KeeperLogWriter(DiffLogWriter):
             raise ValueError("a diff log written by the node's keeper needs the keeper")
         self.keeper = keeper
         # a predecessor's log in the keeper: written out while it still holds the folder
-        keeper.call({"op": "log_close"})
+        keeper.call({"op": Op.LOG_CLOSE})
         super().__init__(root, identity, compressor, batch_size, **kwargs)
         self._log: str | None = None
         self._held: deque[DiffRecord] = deque()  # handed over, not yet durable in storage
@@ -323,7 +324,7 @@ class KeeperLogWriter(DiffLogWriter):
             "direct_io": self.direct_io,
             "slow_hint": self.slow_hint,
         }
-        opening = {"op": "log_open", "spec": spec, "iteration": self.next_iteration - 1}
+        opening = {"op": Op.LOG_OPEN, "spec": spec, "iteration": self.next_iteration - 1}
         reply = self.keeper.call(opening)
         if reply is not None and reply[0].get("log"):
             self._log = reply[0]["log"]
@@ -355,7 +356,7 @@ class KeeperLogWriter(DiffLogWriter):
 
     def flush(self) -> int:
         if self._log is not None:
-            reply = self.keeper.call({"op": "log_flush", "log": self._log})
+            reply = self.keeper.call({"op": Op.LOG_FLUSH, "log": self._log})
             if reply is not None and reply[0].get("logged"):
                 self._update(reply[0])
                 return self.durable_iteration
@@ -364,7 +365,7 @@ class KeeperLogWriter(DiffLogWriter):
 
     def close(self) -> None:
         if self._log is not None:
-            reply = self.keeper.call({"op": "log_close", "log": self._log})
+            reply = self.keeper.call({"op": Op.LOG_CLOSE, "log": self._log})
             if reply is not None and reply[0].get("logged"):
                 self._update(reply[0])
                 self._log = None

@@ -14,7 +14,7 @@ after the newest base that rank reported published, each in the diff log's own r
 (checksummed, never pickle). LowDiff's ranks go on writing the diff log to storage themselves; the
 keeper is a second copy, in memory, that a restart reads first. (With
 ``--diffckpt-option keeper_writes_log`` the keeper writes LowDiff's diff log from these records,
-:mod:`~megatron_diffckpt.keeper_log`; LowDiff+ with its replica here: from its merges.)
+:mod:`~megatron_diffckpt.keeper.logs`; LowDiff+ with its replica here: from its merges.)
 
 - **Acknowledged = held.** :meth:`KeeperClient.put` returns once the keeper holds the record: it
   survives the rank (SIGKILL included), not the node.
@@ -23,21 +23,21 @@ keeper is a second copy, in memory, that a restart reads first. (With
   takes its start from storage); one larger than the whole cap is not held (storage only, and
   the rank says so once).
 - **Protocol.** A Unix stream socket in a folder only its user can enter; each message is a
-  frame, a JSON header and a payload (:mod:`~megatron_diffckpt.keeper_wire`). Requests: ``put``
+  frame, a JSON header and a payload (:mod:`~megatron_diffckpt.keeper.wire`). Requests: ``put``
   (identity, iteration; payload: the record), ``published`` (identity, base iteration: drop the
   records up to it), ``chain`` (identity, after: the consecutive records from ``after + 1``;
   payload: the records end to end), ``stats``, ``stop``; ``replica_*``: LowDiff+'s replica
   hosted here, its merges, the diff log written from them, and its recovery
-  (:mod:`~megatron_diffckpt.keeper_replica`);
-  ``base_*``: LowDiff's newest base in memory (:mod:`~megatron_diffckpt.keeper_base`);
+  (:mod:`~megatron_diffckpt.keeper.replicas`);
+  ``base_*``: LowDiff's newest base in memory (:mod:`~megatron_diffckpt.keeper.bases`);
   ``write_files``: a LowDiff+ base's files, written here for the rank
-  (:mod:`~megatron_diffckpt.keeper_writes`); ``log_*`` (and a ``put`` naming the log): LowDiff's
-  diff log, written here for the rank (:mod:`~megatron_diffckpt.keeper_log`).
+  (:mod:`~megatron_diffckpt.keeper.writes`); ``log_*`` (and a ``put`` naming the log): LowDiff's
+  diff log, written here for the rank (:mod:`~megatron_diffckpt.keeper.logs`).
 - **A ring.** With ``--peers DIR --node N --nnodes M``, a second server on TCP takes the same
   requests from the previous node's keeper (each with this keeper's token), and every record
   and published base is copied to the next node's; a ``chain`` this keeper cannot serve (it was
   lost with its node, and started again) is asked of the next node's
-  (:mod:`~megatron_diffckpt.keeper_peers`); so is a LowDiff+ replica (``replica_copy_*``) and
+  (:mod:`~megatron_diffckpt.keeper.peers`); so is a LowDiff+ replica (``replica_copy_*``) and
   a LowDiff kept base (``base_copy_*``).
 
 Which processes call: the launcher starts and stops it; any rank's thread calls its own
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import logging
 import os
 import shutil
@@ -59,34 +58,23 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import asdict
 from typing import Any
 
 import psutil
 
 from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.durable_io import publish_file
-from megatron_diffckpt.keeper_wire import (
+from megatron_diffckpt.keeper.protocol import Op
+from megatron_diffckpt.keeper.wire import (
     Parts,
     Received,
     receive,
-    recv,
     recv_exact,
     recv_header,
     send,
 )
-from megatron_diffckpt.storage.format import (
-    DiffLogFormatError,
-    DiffRecord,
-    SegmentIdentity,
-    encode_record,
-    iter_records,
-)
 
 logger = logging.getLogger(__name__)
-
-ENV = "DIFFCKPT_KEEPER"
-"""The keeper's socket path, set by the node launcher for the ranks it starts."""
 
 
 def _key(identity: dict) -> tuple:
@@ -104,7 +92,7 @@ class KeeperState:
         self.memory = memory
         self.nbytes = 0
         self.reserved = 0
-        """Bytes of LowDiff+ replicas (:mod:`~megatron_diffckpt.keeper_replica`): records get
+        """Bytes of LowDiff+ replicas (:mod:`~megatron_diffckpt.keeper.replicas`): records get
         what is left."""
         self.evicted = 0
         self._chains: dict[tuple, OrderedDict[int, bytes | bytearray]] = {}
@@ -197,13 +185,13 @@ class KeeperState:
             }
 
 
-STREAMED = frozenset({"base_copy_put", "replica_copy_open"})
+STREAMED = frozenset({Op.BASE_COPY_PUT, Op.REPLICA_COPY_OPEN})
 """Peer requests whose tensors are written into the keeper's shared-memory folder as they
-arrive (:func:`~megatron_diffckpt.keeper_wire.receive`)."""
+arrive (:func:`~megatron_diffckpt.keeper.wire.receive`)."""
 
 
 def _answer(sock: socket.socket, header: dict, payload: bytes | Parts = b"") -> None:
-    """Send a reply; a :class:`~megatron_diffckpt.keeper_wire.Parts`'s files are removed
+    """Send a reply; a :class:`~megatron_diffckpt.keeper.wire.Parts`'s files are removed
     after it, sent or not."""
     try:
         send(sock, header, payload)
@@ -248,9 +236,9 @@ class _Handler(socketserver.BaseRequestHandler):
         """Answer one request; ``False``: the connection ends."""
         server = self.server
         state, link, from_peer = server.state, server.link, server.for_peers
-        if op == "put" and server.stopping:
+        if op == Op.PUT and server.stopping:
             send(self.request, {"held": False, "why": "the keeper is stopping"})
-        elif op == "put":
+        elif op == Op.PUT:
             held, why = state.put(req["identity"], int(req["iteration"]), payload)
             if held and server.bases is not None:
                 server.bases.drop_from(_key(req["identity"]), int(req["iteration"]))
@@ -262,7 +250,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 link.forward({k: req[k] for k in ("op", "identity", "iteration")}, payload)
             if held and not from_peer:  # LowDiff's replica, off the rank's training path
                 server.replicas.roll(_key(req["identity"]), payload)
-        elif op == "published":
+        elif op == Op.PUBLISHED:
             state.published(req["identity"], int(req["iteration"]))
             if server.bases is not None:
                 server.bases.published(_key(req["identity"]), int(req["iteration"]))
@@ -272,13 +260,13 @@ class _Handler(socketserver.BaseRequestHandler):
             send(self.request, {"ok": True})
             if link is not None and not from_peer:
                 link.forward({k: req[k] for k in ("op", "identity", "iteration")})
-        elif op == "chain":
+        elif op == Op.CHAIN:
             self._chain(req, state, link, from_peer)
         elif op.startswith("replica_") and op.startswith("replica_copy_") == from_peer:
             if not self.niced:  # a rank's merges: after training, as the in-process merger's
                 self.niced = lower_priority()
             _answer(self.request, *server.replicas.handle(op, _key(req["identity"]), req, payload))
-        elif op == "write_files" and not from_peer:  # in a writer process, niced
+        elif op == Op.WRITE_FILES and not from_peer:  # in a writer process, niced
             reply = server.writes.handle(_key(req["identity"]), req, payload)
             try:
                 send(self.request, *reply)
@@ -292,13 +280,13 @@ class _Handler(socketserver.BaseRequestHandler):
             key = _key(req["identity"])
             reply = server.bases.handle(op, key, req, payload)
             send(self.request, *reply)
-            if op == "base_put" and req.get("replica") and reply[0].get("ok"):
+            if op == Op.BASE_PUT and req.get("replica") and reply[0].get("ok"):
                 kept = server.bases.get(key, int(req["iteration"]))
                 if kept is not None:
                     server.replicas.roll_from(key, kept)  # LowDiff's replica from it on
-        elif op == "stats":
+        elif op == Op.STATS:
             send(self.request, server.stats())
-        elif op == "stop" and not from_peer:
+        elif op == Op.STOP and not from_peer:
             server.stopping = True
             send(self.request, {"ok": True})
             threading.Thread(target=server.stop_all, daemon=True).start()
@@ -466,16 +454,16 @@ def serve(
     """Serve on the Unix socket ``path`` until a ``stop`` request; the final state.
 
     ``peers`` (``folder``, ``node``, ``nnodes``, ``host``): also serve the ring's peers on TCP
-    and copy every record to the next node's keeper (:mod:`~megatron_diffckpt.keeper_peers`).
+    and copy every record to the next node's keeper (:mod:`~megatron_diffckpt.keeper.peers`).
     ``shm``: the folder (created, private, removed at the end) where the ranks put LowDiff+
-    replicas and their snapshot slots (:mod:`~megatron_diffckpt.keeper_replica`); default a
+    replicas and their snapshot slots (:mod:`~megatron_diffckpt.keeper.replicas`); default a
     fresh one in ``/dev/shm``.
     """
-    from megatron_diffckpt.keeper_base import KeptBases
-    from megatron_diffckpt.keeper_log import KeeperLogs
-    from megatron_diffckpt.keeper_peers import PeerLink
-    from megatron_diffckpt.keeper_replica import HostedReplicas
-    from megatron_diffckpt.keeper_writes import KeeperWrites
+    from megatron_diffckpt.keeper.bases import KeptBases
+    from megatron_diffckpt.keeper.logs import KeeperLogs
+    from megatron_diffckpt.keeper.peers import PeerLink
+    from megatron_diffckpt.keeper.replicas import HostedReplicas
+    from megatron_diffckpt.keeper.writes import KeeperWrites
 
     state = KeeperState(memory)
     servers: list[Any] = []
@@ -539,140 +527,6 @@ def serve(
             os.remove(path)
         remove_shm(shm)
     return state
-
-
-class KeeperClient:
-    """One rank's connection to its node's keeper (``path``: :data:`ENV`). Any thread; calls
-    are serialised. A keeper that went away (its node's launcher ended) is reported once by
-    :attr:`lost`; calls then return as if it held nothing."""
-
-    TIMEOUT_S = 60.0
-
-    def __init__(self, path: str, identity: SegmentIdentity, timeout: float | None = TIMEOUT_S):
-        self.path = path
-        self.identity = asdict(identity)
-        self.lost: str | None = None
-        self.held_iteration = -1
-        """The newest iteration the keeper acknowledged."""
-        self.served_by = "the node's keeper"
-        """Who served the last :meth:`chain`: this node's keeper, or a peer's copy."""
-        self._refused_warned = False
-        self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        self._sock.connect(path)
-
-    def sibling(self, timeout: float | None = TIMEOUT_S) -> KeeperClient:
-        """Another connection of this rank to the same keeper (calls on it wait for none on
-        this one); ``timeout=None``: a call waits as long as the keeper works on it, and ends
-        only with the keeper."""
-        return KeeperClient(self.path, SegmentIdentity(**self.identity), timeout)
-
-    @classmethod
-    def from_env(cls, identity: SegmentIdentity) -> KeeperClient | None:
-        """The client of the keeper the launcher announced in :data:`ENV`, or ``None``."""
-        path = os.environ.get(ENV)
-        if not path:
-            return None
-        try:
-            client = cls(path, identity)
-        except OSError as exc:
-            logger.warning(
-                "keeper %s unreachable (%s): differentials go to storage only", path, exc
-            )
-            return None
-        logger.info("the node's keeper (%s) serves this rank", path)
-        return client
-
-    def call(self, header: dict, payload: bytes = b"") -> tuple[dict, bytearray] | None:
-        """One request for this rank (its identity added); the reply, or ``None`` once the
-        keeper is lost."""
-        if self.lost is not None:
-            return None
-        with self._lock:
-            try:
-                send(self._sock, {**header, "identity": self.identity}, payload)
-                return recv(self._sock)
-            except (OSError, ConnectionError, ValueError) as exc:
-                self.lost = str(exc)
-                logger.warning(
-                    "keeper %s lost (%s): differentials go to storage only", self.path, exc
-                )
-                return None
-
-    def put(self, record: DiffRecord) -> bool:
-        """Hand ``record`` to the keeper; ``True`` once it holds it."""
-        reply = self.hand(record)
-        return reply is not None and reply["held"]
-
-    def hand(self, record: DiffRecord, extra: dict | None = None) -> dict | None:
-        """:meth:`put` with ``extra`` in the request (``log``: the diff log the keeper writes
-        for this rank, :mod:`~megatron_diffckpt.keeper_log`); the keeper's reply, or ``None``
-        once it is lost."""
-        header = {"op": "put", "iteration": record.iteration, **(extra or {})}
-        reply = self.call(header, encode_record(record))
-        if reply is None:
-            return None
-        if reply[0]["held"]:
-            self.held_iteration = record.iteration
-        elif not self._refused_warned:
-            self._refused_warned = True
-            logger.warning(
-                "keeper did not take iteration %d: %s", record.iteration, reply[0]["why"]
-            )
-        return reply[0]
-
-    def published(self, base: int) -> None:
-        """A base of ``base`` is published: the keeper drops this rank's records up to it."""
-        self.call({"op": "published", "iteration": base})
-
-    def chain(self, after: int) -> list[DiffRecord]:
-        """The records the keeper holds for this rank from ``after + 1`` on, consecutive, each
-        checked against its checksum (a damaged one ends the chain)."""
-        reply = self.call({"op": "chain", "after": after})
-        if reply is None:
-            return []
-        self.served_by = reply[0].get("tier", self.served_by)
-        records: list[DiffRecord] = []
-        try:
-            for record in iter_records(io.BytesIO(reply[1])):
-                if record.iteration != after + 1 + len(records):
-                    break
-                records.append(record)
-        except DiffLogFormatError as exc:
-            logger.warning("keeper: a damaged record ends its chain (%s)", exc)
-        return records
-
-    def stats(self) -> dict[str, Any]:
-        reply = self.call({"op": "stats"})
-        return reply[0] if reply is not None else {}
-
-    def shm_folder(self) -> str:
-        """The keeper's shared-memory folder (LowDiff+'s replica and slots go there)."""
-        folder = self.stats().get("shm")
-        if not folder:
-            raise RuntimeError(f"the keeper at {self.path} has no shared-memory folder")
-        return folder
-
-    def close(self) -> None:
-        with self._lock:
-            self._sock.close()
-
-
-def query(path: str, op: str = "stats") -> dict[str, Any]:
-    """One request to the keeper at ``path`` (``stats``, ``stop``); its reply. Any process."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(KeeperClient.TIMEOUT_S)
-        sock.connect(path)
-        send(sock, {"op": op})
-        return recv(sock)[0]
-
-
-def stop(path: str) -> dict[str, Any]:
-    """Ask the keeper at ``path`` to stop; its final stats. The launcher."""
-    stats = query(path)
-    query(path, "stop")
-    return stats
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 :class:`KeeperReplicaMerger` stands in for the in-process
 :class:`~megatron_diffckpt.replica_merger.ReplicaMerger` when the replica and its merger live in
-the node's keeper (:mod:`~megatron_diffckpt.keeper_replica`, where the whole protocol is
+the node's keeper (:mod:`~megatron_diffckpt.keeper.replicas`, where the whole protocol is
 described); :func:`recover_from_keepers` recovers every rank from its keeper's replica, when
 every rank can.
 
@@ -24,6 +24,7 @@ from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.full_storage import StorageFullError
+from megatron_diffckpt.keeper.protocol import Op
 from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, _replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
@@ -43,7 +44,7 @@ KEEPER_FLAG_HINT = "raise the launcher's --keeper-memory"
 class KeeperReplicaMerger(QueuedMerges):
     """:class:`~megatron_diffckpt.replica_merger.ReplicaMerger`'s interface, with the replica
     and its merger in the node's keeper (``client``: this rank's
-    :class:`~megatron_diffckpt.keeper.KeeperClient`).
+    :class:`~megatron_diffckpt.keeper.client.KeeperClient`).
 
     Build the :class:`BucketSnapshotter` with ``buffer=merger.slot_buffer`` (its slots in
     shared memory) and one slot more than in-process (the keeper holds one), then
@@ -63,7 +64,7 @@ class KeeperReplicaMerger(QueuedMerges):
         self.layout = layout
         self.log = log
         """What the keeper's writer of this rank's diff log takes
-        (:class:`~megatron_diffckpt.keeper_replica.ReplicaLog`'s ``spec``; ``None``: the keeper
+        (:class:`~megatron_diffckpt.keeper.replicas.ReplicaLog`'s ``spec``; ``None``: the keeper
         writes no diff log, only bases make iterations durable on storage)."""
         self.durable: int | None = None
         """The newest iteration the keeper's writer made durable, as of its last reply."""
@@ -104,7 +105,7 @@ class KeeperReplicaMerger(QueuedMerges):
         """Make the keeper's replica equal to ``torch_optimizers`` after ``iteration`` (a new
         copy in shared memory, or, after a recovery from the keeper, the replica it came from)."""
         self.wait_idle()
-        request: dict[str, Any] = {"op": "replica_open", "iteration": iteration}
+        request: dict[str, Any] = {"op": Op.REPLICA_OPEN, "iteration": iteration}
         if self.resumed is not None and self.resumed[0] == iteration:
             description = self.resumed[1]
             optimizers, request["reuse"] = build(description), True
@@ -136,14 +137,14 @@ class KeeperReplicaMerger(QueuedMerges):
         start = time.perf_counter()
         self.wait_idle()
         if self._merged < iteration:
-            self._released(self._call({"op": "replica_flush", "through": iteration}))
+            self._released(self._call({"op": Op.REPLICA_FLUSH, "through": iteration}))
         return time.perf_counter() - start
 
     def close(self) -> None:
         """Hand over what is queued, then drop the replica (the job ended: its final base is
         the training loop's)."""
         super().close()
-        self.client.call({"op": "replica_close"})
+        self.client.call({"op": Op.REPLICA_CLOSE})
 
     # ----------------------------------------------------------------- hand-over thread
     def _hand_over(self, job: MergeJob) -> None:
@@ -154,7 +155,7 @@ class KeeperReplicaMerger(QueuedMerges):
         scalars = {"scheduler_steps": job.scheduler_steps, "consumed_samples": job.consumed_samples}
         record = encode_record(DiffRecord(job.iteration, {**scalars, **rng[0]}, dict(rng[1])))
         request = {
-            "op": "replica_merge",
+            "op": Op.REPLICA_MERGE,
             "iteration": job.iteration,
             "slot": None if job.slot is None else job.slot.index,
             "filled": sorted(job.slot.filled) if job.slot is not None else [],
@@ -246,7 +247,7 @@ def recover_from_keepers(
     reaches (then every rank recovers from ``fallback``, as the log line says).
     """
     start = time.perf_counter()
-    reply = client.call({"op": "replica_state"}) if client is not None else None
+    reply = client.call({"op": Op.REPLICA_STATE}) if client is not None else None
     held = reply[0].get("replica") if reply is not None else None
     low, high = (held["low"], held["high"]) if held else (-1, -1)
     if ceiling is not None:
@@ -267,7 +268,7 @@ def recover_from_keepers(
             )
         return None
     records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
-    settled = client.call({"op": "replica_settle", "iteration": target})
+    settled = client.call({"op": Op.REPLICA_SETTLE, "iteration": target})
     if settled is None or "error" in settled[0]:
         raise RuntimeError(f"the node's keeper could not settle at {target}: {settled}")
     replicas = build(held["optimizers"])

@@ -11,7 +11,7 @@ What travels: LowDiff's compressed records as they are made, LowDiff+'s dense on
 holds the same bytes as storage would; for LowDiff+ a peer copy costs as much network as the diff
 log costs storage); with LowDiff+'s replica in the keepers, each replica whole when a rank opens
 it and then every iteration's snapshot, which the successor merges into a replica of its own
-(:class:`~megatron_diffckpt.keeper_replica.HostedReplicas`).
+(:class:`~megatron_diffckpt.keeper.replicas.HostedReplicas`).
 
 How keepers find each other: a folder every node sees (``--keeper-peers``, on the
 job's shared storage, e.g. beside ``--save``), where each keeper publishes ``keeper_<node>.json``
@@ -23,13 +23,13 @@ that is not up yet or went away: each record is tried twice, each time waiting u
 ``CONNECT_S`` for it (reconnecting, re-reading the folder: a restarted successor has a new
 address and token), then dropped, as are records beyond ``QUEUE`` waiting, or beyond
 ``QUEUE_BYTES`` of records in the keeper's heap, or beyond the keeper's cap of tensor files
-(:class:`~megatron_diffckpt.keeper_wire.Parts`: bases, replicas, snapshots) waiting in its
+(:class:`~megatron_diffckpt.keeper.wire.Parts`: bases, replicas, snapshots) waiting in its
 shared memory; the first drop is warned about (the copy then has a gap, and a lost node
 recovers from storage until the next base; a LowDiff+ replica's copy, until the rank opens it
 again).
 
 Large copies (a base or a replica: a rank's optimizer shard, 12 bytes per parameter) travel as
-files (:mod:`~megatron_diffckpt.keeper_wire`): a kept base is hard-linked (it never changes),
+files (:mod:`~megatron_diffckpt.keeper.wire`): a kept base is hard-linked (it never changes),
 a replica and an iteration's snapshot are copied into the keeper's shared memory when the copy
 is made; the sender streams them with ``sendfile`` and the successor writes them into its own
 shared memory as they arrive, so neither keeper holds them in its heap and no size is too
@@ -52,7 +52,8 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_diffckpt.durable_io import publish_file
-from megatron_diffckpt.keeper_wire import Parts, Received, receive, recv, recv_header, send
+from megatron_diffckpt.keeper.protocol import Op
+from megatron_diffckpt.keeper.wire import Parts, Received, receive, recv, recv_header, send
 
 logger = logging.getLogger(__name__)
 
@@ -160,14 +161,14 @@ class PeerLink:
     def chain_from_successor(self, identity: dict, after: int) -> tuple[dict, bytearray] | None:
         """The successor's copy of ``identity``'s chain after ``after`` (the reply of a
         ``chain`` request), or ``None`` when it cannot be asked."""
-        return self.ask({"op": "chain", "identity": identity, "after": after})
+        return self.ask({"op": Op.CHAIN, "identity": identity, "after": after})
 
     def ask(
         self, header: dict, into: str | None = None
     ) -> tuple[dict, bytearray | Received] | None:
         """The successor's reply to one request, on a connection of its own; ``None`` when it
         cannot be asked. ``into``: a folder where the reply's tensors are written as they
-        arrive (:func:`~megatron_diffckpt.keeper_wire.receive`; the caller releases it)."""
+        arrive (:func:`~megatron_diffckpt.keeper.wire.receive`; the caller releases it)."""
         try:
             with self._connect(timeout=CONNECT_S) as sock:
                 send(sock, self._header(header))
@@ -240,7 +241,7 @@ class PeerLink:
                 _release(payload)
             if reply is None:
                 continue
-            if header["op"] in ("put", "replica_copy_merge") and reply.get("held"):
+            if header["op"] in (Op.PUT, Op.REPLICA_COPY_MERGE) and reply.get("held"):
                 key = tuple(sorted(header["identity"].items()))
                 self.peer_last[key] = max(int(header["iteration"]), self.peer_last.get(key, -1))
         if self._sock is not None:

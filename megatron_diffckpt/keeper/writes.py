@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.background import die_with_parent, lower_priority
-from megatron_diffckpt.keeper_wire import rank_name
+from megatron_diffckpt.keeper.protocol import Op
+from megatron_diffckpt.keeper.wire import rank_name
 from megatron_diffckpt.shared_replica import SharedArena, remove_files, tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -260,16 +261,17 @@ class HandedWrites:
     """The rank's side: ``handed(writer, *args)`` runs ``writer(*args)`` in the node's keeper and
     returns its result; where the keeper cannot (lost, or it failed before writing), here.
 
-    ``client``: a :class:`~megatron_diffckpt.keeper.KeeperClient` of its own, without a timeout
-    (a write takes what it takes; the handover thread keeps its own connection); ``staging``:
-    where the tensors go for the keeper to read; ``warm``: a writer the keeper gets ready now.
+    ``client``: a :class:`~megatron_diffckpt.keeper.client.KeeperClient` of its own, without a
+    timeout (a write takes what it takes; the handover thread keeps its own connection);
+    ``staging``: where the tensors go for the keeper to read; ``warm``: a writer the keeper
+    gets ready now.
     """
 
     def __init__(self, client: Any, staging: StagingArea, warm: Callable[..., Any] | None = None):
         self.client = client
         self.staging = staging
         if warm is not None:  # the keeper starts this rank's writer process and imports it now
-            self.client.call({"op": "write_files", "writer": writer_name(warm), "warm": True})
+            self.client.call({"op": Op.WRITE_FILES, "writer": writer_name(warm), "warm": True})
         self.in_keeper = 0
         """Writes the keeper ran."""
         self.here = 0
@@ -285,7 +287,7 @@ class HandedWrites:
             raise ValueError(f"{name} is not a writer the keeper runs ({', '.join(WRITERS)})")
         began = time.perf_counter()
         payload, referenced, copied = dumps(args, self.staging)
-        request = {"op": "write_files", "writer": name, "files": self.staging.files()}
+        request = {"op": Op.WRITE_FILES, "writer": name, "files": self.staging.files()}
         reply = self.client.call(request, payload)
         if reply is None or "error" in reply[0]:
             why = "the keeper is lost" if reply is None else reply[0]["error"]

@@ -21,12 +21,12 @@ replica lives in the keeper instead (:mod:`~megatron_diffckpt.keeper`), and so d
    be recovered to ``M`` (what the replica holds) or ``M + 1`` (the input it holds): ranks die
    at most one iteration apart (each iteration's first gradient reduction waits, before it is
    issued, for the rank's hand-over of the previous iteration:
-   :meth:`~megatron_diffckpt.keeper_merger.KeeperReplicaMerger.attach`), so every rank can
+   :meth:`~megatron_diffckpt.keeper.replica_client.KeeperReplicaMerger.attach`), so every rank can
    reach the newest iteration all of them handed over.
 4. **Bases.** At a base the rank asks for everything up to its iteration to be merged, and reads
    the replica through its own mapping of the pages (the keeper is idle then: nothing later was
    handed over); the persist path is LowDiff+'s own.
-5. **Recovery** (:func:`~megatron_diffckpt.keeper_merger.recover_from_keepers`, all ranks):
+5. **Recovery** (:func:`~megatron_diffckpt.keeper.replica_client.recover_from_keepers`, all ranks):
    each rank's keeper offers ``M`` and ``M + 1``; the ranks agree on the newest iteration every
    rank can reach (one MIN), the keeper merges or drops its held input, and the rank copies the
    replica into its optimizer: no base is read from storage and nothing is replayed. When some
@@ -40,13 +40,13 @@ The diff log: the keeper also writes the rank's dense diff log from its merges
 (:class:`ReplicaLog`), so that storage holds every iteration too.
 
 LowDiff (``--diffckpt-option keeper_replica``) reuses the same replica and recovery: from each base
-the keeper holds (:mod:`~megatron_diffckpt.keeper_base`), a replica stepped with the rank's
+the keeper holds (:mod:`~megatron_diffckpt.keeper.bases`), a replica stepped with the rank's
 differentials themselves (:meth:`HostedReplica.take_differential`), one behind, on one worker
 thread, and copied around the ring the same way (``replica_copy_step``).
 
 This module is the keeper's side (:class:`HostedReplicas`, one lock per rank);
-:mod:`~megatron_diffckpt.keeper_merger` is the rank's, :mod:`~megatron_diffckpt.shared_replica`
-what both share.
+:mod:`~megatron_diffckpt.keeper.replica_client` is the rank's,
+:mod:`~megatron_diffckpt.shared_replica` what both share.
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ import torch
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptError
-from megatron_diffckpt.keeper_base import missing_file
-from megatron_diffckpt.keeper_log import open_log
-from megatron_diffckpt.keeper_wire import Parts, Received, rank_name, span
+from megatron_diffckpt.keeper.bases import missing_file
+from megatron_diffckpt.keeper.logs import open_log
+from megatron_diffckpt.keeper.protocol import Op
+from megatron_diffckpt.keeper.wire import Parts, Received, rank_name, span
 from megatron_diffckpt.replica_merger import (
     ParamSlice,
     ShardLayout,
@@ -130,7 +131,7 @@ class ReplicaLog:
     Before a rank cuts its log itself (a recovery from storage), it asks for
     :meth:`flush`: nothing is written after it until the rank opens its replica again.
 
-    ``spec`` (from the rank's ``replica_open``): :func:`~megatron_diffckpt.keeper_log.open_log`'s,
+    ``spec`` (from the rank's ``replica_open``): :func:`~megatron_diffckpt.keeper.logs.open_log`'s,
     with ``durable`` set for a replica recovered from a peer (storage's chain may end before it).
     """
 
@@ -306,7 +307,7 @@ class HostedReplica:
 
 class HostedReplicas:
     """Every rank's :class:`HostedReplica` of one keeper, and in a ring (``link``: the keeper's
-    :class:`~megatron_diffckpt.keeper_peers.PeerLink`) the copies it holds of the previous
+    :class:`~megatron_diffckpt.keeper.peers.PeerLink`) the copies it holds of the previous
     node's ranks' replicas; bytes reserved against the keeper's cap.
 
     The copy (what a node lost whole recovers from): each replica a rank opens goes to the next
@@ -337,21 +338,21 @@ class HostedReplicas:
         try:
             if op.startswith("replica_copy_"):
                 return self._copy(op, key, req, payload)
-            if op == "replica_open":
+            if op == Op.REPLICA_OPEN:
                 return self._open(key, req, payload), b""
-            if op == "replica_close":
+            if op == Op.REPLICA_CLOSE:
                 self._drop(self._replicas, key)
-                self._forward({"op": "replica_copy_close", "identity": req["identity"]})
+                self._forward({"op": Op.REPLICA_COPY_CLOSE, "identity": req["identity"]})
                 log = self._logs.pop(key, None)
                 if log is not None:
                     log.close()  # the job ended: the rank waits until its log is durable
                 return {"ok": True}, b""
-            if op == "replica_log_flush":
+            if op == Op.REPLICA_LOG_FLUSH:
                 return {"durable": self._flush_log(key)}, b""
-            if op == "replica_state":
+            if op == Op.REPLICA_STATE:
                 self._rolling.join()  # every differential handed over is in LowDiff's replica
             replica = self._replicas.get(key)
-            if replica is None and op == "replica_state":
+            if replica is None and op == Op.REPLICA_STATE:
                 replica = self._adopt(key, req["identity"])
                 if replica is None:
                     return {"replica": None}, b""
@@ -365,15 +366,15 @@ class HostedReplicas:
 
     def _serve(self, op: str, replica: HostedReplica, req: dict, payload: bytearray):
         start = time.perf_counter()
-        if op == "replica_merge":
+        if op == Op.REPLICA_MERGE:
             record = bytes(payload)
             released = replica.take(req, record)
             self._forward_iteration(req, replica, record)
-        elif op == "replica_flush":
+        elif op == Op.REPLICA_FLUSH:
             released = replica.flush(int(req["through"]))
-        elif op == "replica_settle":
+        elif op == Op.REPLICA_SETTLE:
             released = replica.settle(int(req["iteration"]))
-        elif op == "replica_state":
+        elif op == Op.REPLICA_STATE:
             low, high = replica.offer()
             records = replica.record + (replica.held.record if replica.held else b"")
             doc = {"low": low, "high": high, "merged": replica.merged, "tier": replica.tier}
@@ -412,7 +413,7 @@ class HostedReplicas:
     # ----------------------------------------------------------------- LowDiff's replica
     def roll_from(self, key: tuple, base: Any) -> None:
         """LowDiff (``--diffckpt-option keeper_replica``): from the kept ``base`` (a
-        :class:`~megatron_diffckpt.keeper_base.KeptBase` just put) on, a replica in files of
+        :class:`~megatron_diffckpt.keeper.bases.KeptBase` just put) on, a replica in files of
         its own (the shard and the base's residuals copied) that every differential the rank
         hands over steps, one behind (:meth:`roll`), in place of the rank's previous one.
         Queued: made on the replicas' thread."""
@@ -488,7 +489,7 @@ class HostedReplicas:
             return
         with replica.lock:
             replica.take_differential(payload)
-        self._forward({"op": "replica_copy_step", "identity": dict(key)}, payload)
+        self._forward({"op": Op.REPLICA_COPY_STEP, "identity": dict(key)}, payload)
 
     # ----------------------------------------------------------------- the diff log
     def _log_for(self, key: tuple, req: dict, iteration: int) -> ReplicaLog | None:
@@ -542,7 +543,7 @@ class HostedReplicas:
             self.folder,
             _copy_bytes(replica),
             lambda parts: (
-                {"op": "replica_copy_open", "identity": dict(key)} | copy_of(replica, parts)
+                {"op": Op.REPLICA_COPY_OPEN, "identity": dict(key)} | copy_of(replica, parts)
             ),
         )
 
@@ -556,7 +557,7 @@ class HostedReplicas:
 
         def make(parts: Parts) -> dict:
             header = {k: req[k] for k in ("identity", "iteration", "filled", "groups", "clip")}
-            header.update(op="replica_copy_merge", record=parts.add(record))
+            header.update(op=Op.REPLICA_COPY_MERGE, record=parts.add(record))
             header["buckets"] = [
                 [k, parts.copy(t)["offset"], t.nbytes] for k, t in zip(filled, tensors, strict=True)
             ]
@@ -567,7 +568,7 @@ class HostedReplicas:
 
     def _copy(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """A request of the previous node's keeper about its copy of one rank's replica."""
-        if op == "replica_copy_open":
+        if op == Op.REPLICA_COPY_OPEN:
             with self._lock:
                 previous = self._copies.get(key)
                 copy = HostedReplica(req, _slice(payload, req["record"]), None)
@@ -581,7 +582,7 @@ class HostedReplicas:
                 if req.get("held_differential"):
                     copy.take_differential(_slice(payload, req["held_differential"]))
             return {"ok": True}, b""
-        if op == "replica_copy_step":  # LowDiff: the differential the previous node's stepped
+        if op == Op.REPLICA_COPY_STEP:  # LowDiff: the differential the previous node's stepped
             copy = self._copies.get(key)
             if copy is None or copy.rng is None:
                 return {"error": "no copy of this LowDiff replica (until its next base)"}, b""
@@ -592,11 +593,11 @@ class HostedReplicas:
                     self._drop(self._copies, key)
                     raise
             return {"held": True}, b""
-        if op == "replica_copy_close":
+        if op == Op.REPLICA_COPY_CLOSE:
             self._drop(self._copies, key)
             return {"ok": True}, b""
         copy = self._copies.get(key)
-        if op == "replica_copy_fetch":
+        if op == Op.REPLICA_COPY_FETCH:
             if copy is None:
                 return {"copy": None}, b""
             parts = Parts(self.folder)  # a recovery's: taken now, the copy steps on meanwhile
@@ -607,7 +608,7 @@ class HostedReplicas:
                 parts.release()
                 raise
             return {"copy": header}, parts
-        if op == "replica_copy_merge":
+        if op == Op.REPLICA_COPY_MERGE:
             if copy is None:
                 return {"error": "no copy of this rank's replica (a gap: until its next open)"}, b""
             with copy.lock:
@@ -624,7 +625,7 @@ class HostedReplicas:
         new: the node was lost whole), in files the rank maps; ``None``: no copy."""
         if self.link is None:
             return None
-        reply = self.link.ask({"op": "replica_copy_fetch", "identity": identity}, self.folder)
+        reply = self.link.ask({"op": Op.REPLICA_COPY_FETCH, "identity": identity}, self.folder)
         if reply is None:
             return None
         payload = reply[1]
