@@ -442,42 +442,36 @@ def train(args) -> int:
         )
         args.load = None
     load_start = time.perf_counter()
-    stored = find_latest_iteration(args.load) if args.load and has_tracker(args.load) else None
-    kept = manager.recover_from_keeper(stored) if args.load is not None and manager else None
-    if kept is not None:  # from the node keepers' memory: no base read from storage
-        iteration, scheduler_steps, consumed = kept
-        scheduler.num_steps = scheduler_steps
-        scheduler.step(increment=0)  # the LR the next iteration uses
-        saved = stored or 0  # storage's newest base
-        logger.info(  # the line before says what they held: a replica, or a base
-            "recovered to iteration %d in %.3f s (from the node keepers' memory)",
-            iteration,
-            time.perf_counter() - load_start,
-        )
-    elif args.load is not None:
+
+    def load_base() -> int:  # storage's newest base, into the model and optimizer
+        nonlocal consumed
         if args.ckpt_format == "torch_dcp":
             from dcp_checkpointing import DcpCheckpointer
 
-            iteration, consumed = DcpCheckpointer.load(args.load, model, optimizer, scheduler)
+            loaded, consumed = DcpCheckpointer.load(args.load, model, optimizer, scheduler)
         else:
-            iteration, consumed = Checkpointer.load(
-                args.load, model, optimizer, scheduler, residuals
-            )
-        saved = iteration
-        if manager is not None:
-            iteration, scheduler_steps, replayed_consumed = manager.recover(
-                iteration, base_load_s=time.perf_counter() - load_start
-            )
-            if scheduler_steps is not None:
-                scheduler.num_steps = scheduler_steps
-                scheduler.step(increment=0)  # the LR the next iteration uses
-                consumed = replayed_consumed
-            logger.info(
-                "recovered to iteration %d in %.3f s (from storage: base %d and the diff log)",
-                iteration,
-                time.perf_counter() - load_start,
-                saved,
-            )
+            loaded, consumed = Checkpointer.load(args.load, model, optimizer, scheduler, residuals)
+        return loaded
+
+    if args.load is not None and manager is None:
+        iteration = saved = load_base()
+    elif args.load is not None:
+        stored = find_latest_iteration(args.load) if has_tracker(args.load) else None
+        # the node keepers' replicas or kept bases first (no base read), then storage's
+        got = manager.recover(stored, load_base)
+        iteration, saved = got.iteration, got.base if got.base is not None else (stored or 0)
+        if got.scheduler_steps is not None:
+            scheduler.num_steps = got.scheduler_steps
+            scheduler.step(increment=0)  # the LR the next iteration uses
+            consumed = got.consumed_samples
+        logger.info(  # the lines before say what the keepers held: a replica, or a base
+            "recovered to iteration %d in %.3f s (%s)",
+            iteration,
+            time.perf_counter() - load_start,
+            "from the node keepers' memory"
+            if got.tier == "keepers"
+            else f"from storage: base {saved} and the diff log",
+        )
     if iteration in args.dump_state_at:
         dump_state(_dump_dir(args, iteration), model, optimizer, [], args.dump_model_space)
     if args.ckpt_format == "torch_dcp":

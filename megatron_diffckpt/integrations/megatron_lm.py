@@ -196,10 +196,8 @@ class _Run:
             # With the node keepers: LowDiff+'s replicas, or LowDiff's newest base when it is
             # newer than the one Megatron-LM loaded, replace its state; else the differentials
             # are replayed onto it.
-            kept = self.manager.recover_from_keeper(base, loaded=True)
-            iteration, steps, consumed = (
-                kept if kept is not None else self.manager.recover(base, base_load_s=setup_s)
-            )
+            got = self.manager.recover(base, base_load_s=setup_s)
+            iteration, steps, consumed = got.iteration, got.scheduler_steps, got.consumed_samples
             if steps is not None:
                 scheduler.num_steps = steps
                 scheduler.step(increment=0)  # the learning rate the next iteration uses

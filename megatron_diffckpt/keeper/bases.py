@@ -26,7 +26,7 @@ replaying them. Here every base a rank saves is also staged in its keeper's memo
    covers every iteration the job trains past (the records between S and B are written back as
    for any recovery); else every rank loads S from storage as without it. The rank maps the
    keeper's files, copies them into its optimizer and residuals, and replays its chain from B
-   on (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.recover_from_keeper`).
+   on (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.recover`).
 
 **The ring** (with ``--keeper-peers``): each base a keeper takes is copied, off the
 rank's path (a thread of the keeper, after the reply), to the next node's keeper
