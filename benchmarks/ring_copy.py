@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from megatron_diffckpt.keeper import bases as keeper_base  # noqa: E402
+from megatron_diffckpt.keeper import base_stager  # noqa: E402
 from megatron_diffckpt.keeper.client import KeeperClient, query, stop  # noqa: E402
 from megatron_diffckpt.keeper.replica_client import load_replica  # noqa: E402
 from megatron_diffckpt.shared_replica import build  # noqa: E402
@@ -95,7 +95,7 @@ def measure(gib: float, work: Path) -> dict:
         train = _shard(numel, seed=1)
         rank = KeeperClient(b_sock, ME)
         record = DiffRecord(5, {"scheduler_steps": 5, "consumed_samples": 40}, {})
-        why = keeper_base.stage_base(rank, [train], None, record)
+        why = base_stager.stage_base(rank, [train], None, record)
         if why:
             raise RuntimeError(why)
         start = time.perf_counter()
@@ -107,7 +107,7 @@ def measure(gib: float, work: Path) -> dict:
         b.wait(30)
         c = _keeper(c_sock, ring, 1, memory_mib)
         start = time.perf_counter()
-        offered = keeper_base.offered_bases(KeeperClient(c_sock, ME))
+        offered = base_stager.offered_bases(KeeperClient(c_sock, ME))
         adopt_s = time.perf_counter() - start
         row = offered.bases[5][0]
         again = _shard(numel, seed=2)

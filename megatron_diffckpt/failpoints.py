@@ -13,7 +13,8 @@ The points:
 - ``replay``: a recovery has replayed one more differential into the optimizer, before the next
   (:func:`~megatron_diffckpt.recovery.replay`);
 - ``plus-hand-over``: LowDiff+ is about to hand an iteration to its merger, after the
-  iteration's optimizer step (:meth:`~megatron_diffckpt.plus.LowDiffPlusStrategy.end_iteration`);
+  iteration's optimizer step
+  (:meth:`~megatron_diffckpt.strategies.lowdiff_plus.LowDiffPlusStrategy.end_iteration`);
 - ``iteration-end``: an iteration's differential was handed over (LowDiff: to the diff log's
   writer, and to the node's keeper when one runs; LowDiff+: to its merger), before the next
   iteration (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.end_iteration`);

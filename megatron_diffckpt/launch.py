@@ -134,7 +134,7 @@ def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Pope
 def shm_dir(sock: str) -> str:
     """The keeper's shared-memory folder (LowDiff+'s replica), named after its socket's folder:
     this launcher removes it even when the keeper died without removing it."""
-    from megatron_diffckpt.keeper.server import shared_memory_root
+    from megatron_diffckpt.keeper.shm import shared_memory_root
 
     return os.path.join(shared_memory_root(), os.path.basename(os.path.dirname(sock)))
 
@@ -147,7 +147,7 @@ def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
         keeper.wait(timeout=30)
     except (OSError, ConnectionError, subprocess.TimeoutExpired):
         keeper.kill()
-    from megatron_diffckpt.keeper.server import remove_shm
+    from megatron_diffckpt.keeper.shm import remove_shm
 
     shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
     remove_shm(shm_dir(sock))

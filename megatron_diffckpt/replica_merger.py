@@ -95,7 +95,7 @@ def _host_copy(t: torch.Tensor, _name: str = "") -> torch.Tensor:
 Alloc = Callable[[torch.Tensor, str], torch.Tensor]
 
 
-def _replica_of(
+def replica_of(
     opt: torch.optim.Optimizer, alloc: Alloc = _host_copy, prefix: str = ""
 ) -> torch.optim.Optimizer:
     """A host optimizer with ``opt``'s parameters, options and state, copied."""
@@ -128,7 +128,7 @@ def refresh_replicas(
     stay ``None``."""
     if not replicas:
         return [
-            None if o is None else _replica_of(o, alloc, prefix=f"o{i}.")
+            None if o is None else replica_of(o, alloc, prefix=f"o{i}.")
             for i, o in enumerate(sources)
         ]
     for i, (src, dst) in enumerate(zip(sources, replicas, strict=True)):

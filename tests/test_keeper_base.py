@@ -33,10 +33,10 @@ from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, 
 
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.exchange import ErrorFeedbackResiduals
-from megatron_diffckpt.keeper import bases as keeper_base
+from megatron_diffckpt.keeper import base_stager
 from megatron_diffckpt.keeper.client import KeeperClient, query, stop
 from megatron_diffckpt.keeper.replicas import HostedReplica
-from megatron_diffckpt.replica_merger import _replica_of
+from megatron_diffckpt.replica_merger import replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
 
@@ -80,37 +80,37 @@ def test_a_staged_base_is_served_bit_for_bit_and_dropped_once_a_newer_one_is_pub
     try:
         rank = KeeperClient(sock, ME)
         train, residuals = _trained(), _residuals()
-        assert keeper_base.stage_base(rank, [train], residuals, _record(5)) == ""
+        assert base_stager.stage_base(rank, [train], residuals, _record(5)) == ""
         rank.published(5)
         before = {f.name for f in shm.iterdir()}
         for p in train.param_groups[0]["params"]:  # training goes on: the keeper's copy stays
             p.grad = torch.ones_like(p)
         train.step()
-        assert keeper_base.stage_base(rank, [train], residuals, _record(10)) == ""
+        assert base_stager.stage_base(rank, [train], residuals, _record(10)) == ""
         rank.close()
 
         # A new attempt's client (the staging one is gone) gets both: 10 is not published
         # yet, and a rank killed before staging it shares only 5 with the others.
         restarted = KeeperClient(sock, ME)
-        offered = keeper_base.offered_bases(restarted)
+        offered = base_stager.offered_bases(restarted)
         assert sorted(offered.bases) == [5, 10] and offered.newest == 10
         row, counters = offered.bases[10]
         assert counters.scalars["consumed_samples"] == 80
         fresh = _trained(seed=1)
         into = ErrorFeedbackResiduals()
-        keeper_base.load_kept_base(row, [fresh], into)
+        base_stager.load_kept_base(row, [fresh], into)
         _assert_same_optimizer(train, fresh)
         assert torch.equal(into.tensors()["bucket0"], residuals.tensors()["bucket0"])
         shown = run_cli("inspect", str(tmp_path), "--keeper", sock).stdout
         assert "rank_0_0_1: LowDiff base of iteration 10" in shown, shown
 
         restarted.published(10)
-        offered = keeper_base.offered_bases(restarted)
+        offered = base_stager.offered_bases(restarted)
         assert sorted(offered.bases) == [10]
         after = {f.name for f in shm.iterdir()}
         assert after and not before & after  # base 5's files are gone, base 10's are not
         again = _trained(seed=2)
-        keeper_base.load_kept_base(offered.bases[10][0], [again], None)
+        base_stager.load_kept_base(offered.bases[10][0], [again], None)
         _assert_same_optimizer(train, again)
         held = query(sock)
         assert held["reserved"] == sum(b["bytes"] for b in held["bases"]) > 0
@@ -132,12 +132,12 @@ def test_a_base_goes_to_the_next_nodes_keeper_and_a_fresh_keeper_adopts_it(tmp_p
     try:
         rank = KeeperClient(b_sock, ME)
         train, residuals = _trained(), _residuals()
-        assert keeper_base.stage_base(rank, [train], residuals, _record(5)) == ""
+        assert base_stager.stage_base(rank, [train], residuals, _record(5)) == ""
         rank.published(5)
         for p in train.param_groups[0]["params"]:
             p.grad = torch.ones_like(p)
         train.step()
-        assert keeper_base.stage_base(rank, [train], residuals, _record(10)) == ""
+        assert base_stager.stage_base(rank, [train], residuals, _record(10)) == ""
 
         def copies() -> list[int]:
             return sorted(r["iteration"] for r in query(a_sock)["bases"] if r["copy"])
@@ -151,13 +151,13 @@ def test_a_base_goes_to_the_next_nodes_keeper_and_a_fresh_keeper_adopts_it(tmp_p
         fresh = start_keeper(str(tmp_path / "b2.sock"), *ring, "--node", "1")
         try:
             restarted = KeeperClient(str(tmp_path / "b2.sock"), ME)
-            offered = keeper_base.offered_bases(restarted)
+            offered = base_stager.offered_bases(restarted)
             assert sorted(offered.bases) == [5, 10]
             row, counters = offered.bases[10]
             assert row["tier"] == "the keeper of node 0 (a peer)"
             assert counters.scalars["consumed_samples"] == 80
             into, again = ErrorFeedbackResiduals(), _trained(seed=1)
-            keeper_base.load_kept_base(row, [again], into)
+            base_stager.load_kept_base(row, [again], into)
             _assert_same_optimizer(train, again)
             assert torch.equal(into.tensors()["bucket0"], residuals.tensors()["bucket0"])
             held = query(str(tmp_path / "b2.sock"))["bases"]
@@ -212,7 +212,7 @@ def test_a_base_past_a_gib_goes_around_the_ring_without_entering_a_keepers_heap(
     try:
         train = _large(seed=3)
         rank = KeeperClient(b_sock, ME)
-        assert keeper_base.stage_base(rank, [train], None, _record(7)) == ""
+        assert base_stager.stage_base(rank, [train], None, _record(7)) == ""
         size = query(b_sock)["bases"][0]["bytes"]
         assert size > 1 << 30
 
@@ -223,12 +223,12 @@ def test_a_base_past_a_gib_goes_around_the_ring_without_entering_a_keepers_heap(
         b.send_signal(signal.SIGKILL)
         b.wait(30)
         fresh = start_keeper(b2_sock, *ring, "--node", "1")
-        offered = keeper_base.offered_bases(KeeperClient(b2_sock, ME))
+        offered = base_stager.offered_bases(KeeperClient(b2_sock, ME))
         assert sorted(offered.bases) == [7]
         assert offered.bases[7][0]["tier"] == "the keeper of node 0 (a peer)"
         peaks = {"node 0": _peak_rss(a.pid), "node 1, fresh": _peak_rss(fresh.pid)}
         again = _large(seed=4)
-        keeper_base.load_kept_base(offered.bases[7][0], [again], None)
+        base_stager.load_kept_base(offered.bases[7][0], [again], None)
         _assert_same_optimizer(train, again)
         assert all(peak < size / 2 for peak in peaks.values()), (peaks, size)
     finally:
@@ -254,9 +254,9 @@ def test_a_full_shared_memory_folder_refuses_a_base_instead_of_faulting(tmp_path
     proc = start_keeper(sock, "--shm-dir", str(shm))
     try:
         rank = KeeperClient(sock, ME)
-        why = keeper_base.stage_base(rank, [_trained(n=100_000)], None, _record(5))
+        why = base_stager.stage_base(rank, [_trained(n=100_000)], None, _record(5))
         assert "no room for" in why, why
-        assert keeper_base.offered_bases(rank).bases == {}
+        assert base_stager.offered_bases(rank).bases == {}
         assert rank.stats()["records"] == 0 and rank.lost is None  # the keeper serves on
     finally:
         stop(sock)
@@ -268,10 +268,10 @@ def test_a_base_over_the_cap_is_refused_and_leaves_no_file(tmp_path):
     proc = start_keeper(sock, "--shm-dir", str(shm))  # 8 MiB
     try:
         rank = KeeperClient(sock, ME)
-        why = keeper_base.stage_base(rank, [_trained(n=400_000)], None, _record(5))
+        why = base_stager.stage_base(rank, [_trained(n=400_000)], None, _record(5))
         assert "does not fit the cap" in why, why
         assert not list(shm.iterdir())
-        assert keeper_base.offered_bases(rank).bases == {}
+        assert base_stager.offered_bases(rank).bases == {}
         assert query(sock)["reserved"] == 0
     finally:
         stop(sock)
@@ -286,13 +286,13 @@ def test_a_base_of_an_attempt_the_restart_did_not_recover_to_is_dropped(tmp_path
     try:
         rank = KeeperClient(sock, ME)
         for base in (5, 10):
-            assert keeper_base.stage_base(rank, [_trained(seed=base)], None, _record(base)) == ""
+            assert base_stager.stage_base(rank, [_trained(seed=base)], None, _record(base)) == ""
             if base == 5:
                 rank.published(5)
-        assert sorted(keeper_base.offered_bases(rank).bases) == [5, 10]
+        assert sorted(base_stager.offered_bases(rank).bases) == [5, 10]
         files = {f.name for f in shm.iterdir()}
         assert rank.put(record(9))
-        assert sorted(keeper_base.offered_bases(rank).bases) == [5]
+        assert sorted(base_stager.offered_bases(rank).bases) == [5]
         assert len(list(shm.iterdir())) == len(files) // 2
     finally:
         stop(sock)
@@ -327,8 +327,8 @@ class _TwoRanks:
         return out
 
 
-def _offer(*iterations: int) -> keeper_base.OfferedBases:
-    return keeper_base.OfferedBases({i: ({}, _record(i)) for i in iterations})
+def _offer(*iterations: int) -> base_stager.OfferedBases:
+    return base_stager.OfferedBases({i: ({}, _record(i)) for i in iterations})
 
 
 @pytest.mark.parametrize(
@@ -347,7 +347,7 @@ def test_the_ranks_agree_on_the_newest_base_every_keeper_holds(
     held, storage, chain_end, loaded, expected
 ):
     def agree(r, all_reduce_min):
-        return keeper_base.agree_on_kept_base(
+        return base_stager.agree_on_kept_base(
             _offer(*held[r]), storage, chain_end[r], loaded, all_reduce_min
         )
 
@@ -410,7 +410,7 @@ def test_the_keepers_replica_steps_each_differential_one_behind_as_a_replay_woul
     included; a differential that does not follow it is refused."""
     train = _trained(steps=1)
     arena = SharedArena(str(tmp_path))
-    replica_opt = _replica_of(train, arena.copy, prefix="o0.")
+    replica_opt = replica_of(train, arena.copy, prefix="o0.")
     base_rng = {"rng.torch": torch.get_rng_state(), "rng.python": torch.arange(3)}
     base_record = encode_record(DiffRecord(1, {"scheduler_steps": 1}, base_rng))
     request = {"iteration": 1, "optimizers": describe([replica_opt], arena.spec)}

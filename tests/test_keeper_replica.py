@@ -40,7 +40,7 @@ from megatron_diffckpt.keeper.client import KeeperClient, query, stop
 from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger
 from megatron_diffckpt.keeper.replicas import HostedReplica, HostedReplicas, ReplicaLog
 from megatron_diffckpt.keeper.server import KeeperState
-from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, _replica_of
+from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe, initial_adam_state
 from megatron_diffckpt.snapshot import BucketSnapshotter
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
@@ -68,7 +68,7 @@ def _layout() -> list:
 def _hosted(tmp_path: Path, train: torch.optim.AdamW, slots: int = 2):
     """The replica of ``train`` as a keeper holds it, and the rank's slot buffers."""
     arena = SharedArena(str(tmp_path))
-    replica = _replica_of(train, arena.copy, prefix="o0.")
+    replica = replica_of(train, arena.copy, prefix="o0.")
     initial_adam_state(replica, arena.copy)
     buffers = [arena.empty((NUMEL,), torch.float32) for _ in range(slots)]
     request = {

@@ -37,7 +37,7 @@ from megatron_diffckpt.patches.base_checkpoint import (
     load_residuals,
     residuals_state,
 )
-from megatron_diffckpt.strategy import BaseSource, SaveBase
+from megatron_diffckpt.strategies.base import BaseSource, SaveBase
 
 logger = logging.getLogger("pretrain_gpt")
 
@@ -180,8 +180,8 @@ class Checkpointer:
 
     def base_saver(self, model, scheduler, iteration: int, consumed: int) -> SaveBase:
         """The ``save`` function :meth:`DiffCheckpointManager.save_base` calls (its protocol:
-        :mod:`megatron_diffckpt.strategy`): a checkpoint of ``iteration`` with the same keys and
-        layout as :meth:`save`, from the source the strategy gives (the training optimizer, or
+        :mod:`megatron_diffckpt.strategies.base`): a checkpoint of ``iteration`` with the same keys
+        and layout as :meth:`save`, from the source the strategy gives (the training optimizer, or
         the LowDiff+ replica's view and host model parameters); scheduler, RNG states and
         counters are the training loop's, now."""
 

@@ -25,7 +25,7 @@ from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.keeper.protocol import Op
-from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, _replica_of
+from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
@@ -111,7 +111,7 @@ class KeeperReplicaMerger(QueuedMerges):
             optimizers, request["reuse"] = build(description), True
         else:
             optimizers = [
-                None if o is None else _replica_of(o, self.arena.copy, prefix=f"o{i}.")
+                None if o is None else replica_of(o, self.arena.copy, prefix=f"o{i}.")
                 for i, o in enumerate(torch_optimizers)
             ]
             for opt in optimizers:

@@ -51,258 +51,42 @@ This module is the keeper's side (:class:`HostedReplicas`, one lock per rank);
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_diffckpt.background import BackgroundWorker, CpuMeter
-from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
+from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.keeper.bases import missing_file
-from megatron_diffckpt.keeper.logs import open_log
+from megatron_diffckpt.keeper.hosted_replica import (
+    HostedReplica,
+    ReplicaLog,
+    copy_bytes,
+    copy_of,
+    feed,
+    payload_slice,
+)
 from megatron_diffckpt.keeper.protocol import Op
-from megatron_diffckpt.keeper.wire import Parts, Received, rank_name, span
+from megatron_diffckpt.keeper.wire import Parts, Received, rank_name
 from megatron_diffckpt.replica_merger import (
-    ParamSlice,
-    ShardLayout,
-    StepInputs,
-    _replica_of,
-    step_replica,
+    replica_of,
 )
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
     create_tensor,
     describe,
-    files_of,
     initial_adam_state,
     map_tensor,
-    nbytes_of,
     remove_files,
-    tensor_from,
-    tensors_of,
-)
-from megatron_diffckpt.storage.format import (
-    DiffRecord,
-    encode_record,
-    iter_records,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Held:
-    """An iteration handed over, not yet merged: its slot stays the keeper's."""
-
-    iteration: int
-    slot: int | None
-    filled: set[str]
-    inputs: StepInputs
-    record: bytes
-    differential: DiffRecord | None = None
-    """LowDiff: the differential itself (the step input), in place of a slot's snapshots."""
-
-
-class ReplicaLog:
-    """The diff log of one rank whose replica this keeper holds, written by the keeper.
-
-    Every iteration the replica merges becomes a record, as the in-process merger's
-    (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger` with a writer) would make it: the
-    step input the merge consumed (each main parameter's gradient, clipped, and every group's
-    learning rate and weight decay) with the counters and RNG states the rank handed over; a
-    :class:`~megatron_diffckpt.storage.writer.DiffLogWriter` in this process writes it to the
-    rank's folder of the diff log. So a job that loses everything (ranks and keepers) recovers
-    from storage to the newest iteration every rank's keeper wrote, not to the newest base; and
-    the rank's process does no diff-log work at all.
-
-    A chain that does not continue this writer's (a new one: a fresh start, a recovery from
-    storage, a replica adopted from a peer) starts with nothing after its first iteration left
-    in storage's log (an older attempt's records there are cut off) and a writer of its own,
-    which takes the rank's folder over (:data:`~megatron_diffckpt.storage.writer.OWNER_FILE`).
-    Before a rank cuts its log itself (a recovery from storage), it asks for
-    :meth:`flush`: nothing is written after it until the rank opens its replica again.
-
-    ``spec`` (from the rank's ``replica_open``): :func:`~megatron_diffckpt.keeper.logs.open_log`'s,
-    with ``durable`` set for a replica recovered from a peer (storage's chain may end before it).
-    """
-
-    def __init__(self, spec: dict[str, Any], iteration: int, identity: dict[str, Any]):
-        self.writer = open_log(spec, iteration, identity)
-        self.capture = GradShardCapture()
-
-    def continues(self, iteration: int) -> bool:
-        """Whether a replica at ``iteration`` continues this log's chain."""
-        return self.writer.next_iteration == iteration + 1
-
-    def append(self, iteration: int, handed: bytes) -> None:
-        """Write ``iteration``: the step input :attr:`capture` saw (none for a skipped step)
-        and ``handed``, the rank's record of its counters and RNG states."""
-        counters = next(iter_records(io.BytesIO(handed)), None)
-        if counters is None or counters.iteration != iteration:
-            raise ValueError(f"iteration {iteration} was handed over without its counters")
-        scalars = dict(counters.scalars)
-        steps, consumed = scalars.pop("scheduler_steps"), scalars.pop("consumed_samples")
-        record: DiffRecord = self.capture.build_record(
-            iteration, steps, consumed, (scalars, counters.tensors)
-        )
-        self.writer.append(record)
-
-    def flush(self) -> int:
-        """Write everything appended; the newest durable iteration."""
-        return self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class HostedReplica:
-    """One rank's replica in the keeper, one iteration behind what the rank handed over."""
-
-    def __init__(
-        self,
-        request: dict[str, Any],
-        record: bytes,
-        previous: HostedReplica | None,
-        tensor_of: Callable[[dict], torch.Tensor] = tensor_from,
-    ):
-        reuse = request.get("reuse", False)
-        if reuse and (previous is None or previous.merged != request["iteration"]):
-            raise ValueError("nothing to reuse: the keeper's replica is not at that iteration")
-        self.description = request["optimizers"]
-        self.optimizers = previous.optimizers if reuse else build(self.description, tensor_of)
-        self.raw_layout = request["layout"]
-        self.layout: ShardLayout = [
-            [[ParamSlice(*where) for where in group] for group in inner]
-            for inner in self.raw_layout
-        ]
-        self.slot_specs = request["slots"]
-        self.slots = [{k: tensor_of(s) for k, s in slot.items()} for slot in self.slot_specs]
-        self.tier = "the node's keeper"
-        """Where a recovery says the replica came from (a peer's copy, when adopted)."""
-        self.files = files_of(self.description, self.slot_specs)
-        self.nbytes = nbytes_of(self.description, self.slot_specs)
-        self.merged = int(request["iteration"])
-        self.record = record  # the counters and RNG states at ``merged`` (b"": none)
-        self.held: _Held | None = None
-        self.rng: dict[str, torch.Tensor] | None = None
-        """LowDiff's replica (stepped with differentials): every generator's newest state (a
-        differential holds only those that moved), from the base's on; ``None``: LowDiff+'s."""
-        self.residuals: dict[str, Any] | None = None
-        """LowDiff's replica: the specs of its base's error-feedback residuals (its slot 0)."""
-        if request.get("lowdiff"):  # stepped with differentials: its record holds every RNG
-            self.rng = _rng_of(next(iter_records(io.BytesIO(record))))
-            self.residuals = self.slot_specs[0] if self.slot_specs else {}
-        self.log: ReplicaLog | None = None
-        """Where merged iterations are written to storage (set by the keeper on open; a ring
-        copy has none)."""
-        self.cpu = CpuMeter()
-        self.lock = threading.Lock()
-
-    def take(self, request: dict[str, Any], record: bytes) -> list[int]:
-        """Hold the iteration ``request`` hands over, after merging the one held before; the
-        slots given back."""
-        iteration = int(request["iteration"])
-        expected = (self.held.iteration if self.held else self.merged) + 1
-        if iteration != expected:
-            raise ValueError(f"handed iteration {iteration}, expected {expected}")
-        released = self._merge_held()
-        inputs = StepInputs(
-            {k: list(v) for k, v in request["groups"].items()},
-            {int(k): float(v) for k, v in request["clip"].items()},
-        )
-        self.held = _Held(iteration, request["slot"], set(request["filled"]), inputs, record)
-        return released
-
-    def take_differential(self, payload: bytes) -> None:
-        """LowDiff: hold the differential ``payload`` (one encoded record, the step input
-        itself), after merging the one held before. Its record for a recovery carries every
-        generator's state (the ones it left out have not moved since the replica's last)."""
-        differential = next(iter_records(io.BytesIO(payload)))
-        expected = (self.held.iteration if self.held else self.merged) + 1
-        if self.rng is None or differential.iteration != expected:
-            raise ValueError(f"handed iteration {differential.iteration}, expected {expected}")
-        self._merge_held()
-        rng = {**self.rng, **_rng_of(differential)}
-        full = encode_record(DiffRecord(differential.iteration, differential.scalars, rng))
-        self.held = _Held(differential.iteration, None, set(), StepInputs(), full, differential)
-
-    def flush(self, through: int) -> list[int]:
-        """Merge the held iteration if it is at most ``through``; the slots given back."""
-        if self.held is not None and self.held.iteration <= through:
-            return self._merge_held()
-        return []
-
-    def offer(self) -> tuple[int, int]:
-        """``(low, high)``: the iterations this replica can be recovered to (``-1, -1``: none).
-        ``merged`` counts only with its counters and RNG states (a replica anchored from a base
-        has none: storage serves that iteration)."""
-        high = self.held.iteration if self.held else self.merged
-        low = self.merged if self.record else self.merged + 1
-        return (low, high) if low <= high else (-1, -1)
-
-    def settle(self, target: int) -> list[int]:
-        """Make the replica hold ``target`` (merge or drop the held iteration)."""
-        if self.held is not None and self.held.iteration == target:
-            return self._merge_held()
-        if self.merged != target or not self.record:
-            raise ValueError(f"cannot settle at {target}: holds {self.offer()}")
-        released = [] if self.held is None or self.held.slot is None else [self.held.slot]
-        self.held = None
-        return released
-
-    def _merge_held(self) -> list[int]:
-        held, self.held = self.held, None
-        if held is None:
-            return []
-        if held.differential is not None:
-            self._step_differential(held.differential)
-            self.merged, self.record = held.iteration, held.record
-            return []
-        log = self.log
-        if not held.inputs.skipped:
-            if held.slot is None:
-                raise ValueError(f"iteration {held.iteration} stepped without snapshots")
-            step_replica(
-                self.optimizers, self.layout, self.slots[held.slot], held.filled, held.inputs,
-                held.iteration, self.cpu, log.capture.on_ready_grads if log else None,
-            )  # fmt: skip
-        self.merged, self.record = held.iteration, held.record
-        if log is not None:
-            with self.cpu.measure("diff log record"):
-                log.append(held.iteration, held.record)
-        return [] if held.slot is None else [held.slot]
-
-    @torch.no_grad()
-    def _step_differential(self, differential: DiffRecord) -> None:
-        """The optimizer step a recovery's replay of ``differential`` runs, on the replica."""
-        with self.cpu.measure("merge step"):
-            if not differential.scalars["skipped"]:
-                grads = record_grads(differential)
-                for i, opt in enumerate(self.optimizers):
-                    if opt is None:
-                        continue
-                    set_step_inputs(i, opt, differential, grads)
-                    opt.step()
-                    for group in opt.param_groups:
-                        for p in group["params"]:
-                            p.grad = None
-        self.rng.update(_rng_of(differential))
-
-    def cpu_totals(self) -> dict[str, float]:
-        """CPU seconds by activity, the log's writer thread as ``"diff log write"``."""
-        totals = self.cpu.totals()
-        if self.log is not None:
-            totals["diff log write"] = self.log.writer.stats.cpu_seconds
-        return totals
 
 
 class HostedReplicas:
@@ -447,7 +231,7 @@ class HostedReplicas:
         arena = SharedArena(self.folder)
         try:
             optimizers = [
-                None if o is None else _replica_of(o, arena.copy, prefix=f"o{i}.")
+                None if o is None else replica_of(o, arena.copy, prefix=f"o{i}.")
                 for i, o in enumerate(build(base.optimizers))
             ]
             for opt in optimizers:
@@ -541,7 +325,7 @@ class HostedReplicas:
             return
         self.link.forward_files(
             self.folder,
-            _copy_bytes(replica),
+            copy_bytes(replica),
             lambda parts: (
                 {"op": Op.REPLICA_COPY_OPEN, "identity": dict(key)} | copy_of(replica, parts)
             ),
@@ -571,7 +355,7 @@ class HostedReplicas:
         if op == Op.REPLICA_COPY_OPEN:
             with self._lock:
                 previous = self._copies.get(key)
-                copy = HostedReplica(req, _slice(payload, req["record"]), None)
+                copy = HostedReplica(req, payload_slice(payload, req["record"]), None)
                 refused = self._install(self._copies, key, copy, previous)
                 if refused:  # the previous copy is of an older replica: no use any more
                     self._drop(self._copies, key)
@@ -580,7 +364,7 @@ class HostedReplicas:
                 if req.get("held"):
                     feed(copy, req["held"], payload)
                 if req.get("held_differential"):
-                    copy.take_differential(_slice(payload, req["held_differential"]))
+                    copy.take_differential(payload_slice(payload, req["held_differential"]))
             return {"ok": True}, b""
         if op == Op.REPLICA_COPY_STEP:  # LowDiff: the differential the previous node's stepped
             copy = self._copies.get(key)
@@ -660,11 +444,13 @@ class HostedReplicas:
 
         with self._lock:
             try:
-                replica = HostedReplica(header, _slice(payload, header["record"]), None, tensor_of)
+                replica = HostedReplica(
+                    header, payload_slice(payload, header["record"]), None, tensor_of
+                )
                 if header.get("held"):
                     feed(replica, header["held"], payload)
                 if header.get("held_differential"):
-                    replica.take_differential(_slice(payload, header["held_differential"]))
+                    replica.take_differential(payload_slice(payload, header["held_differential"]))
             except BaseException:
                 self._remove_files(set(made))
                 raise
@@ -723,83 +509,3 @@ class HostedReplicas:
             ]
 
         return {"replicas": rows(self._replicas), "copies": rows(self._copies)}
-
-
-def _rng_of(record: DiffRecord) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in record.tensors.items() if k.startswith("rng.")}
-
-
-def _slice(payload: bytearray | Received, where: list[int]) -> bytes:
-    return bytes(span(payload, where[0], where[1]))
-
-
-def _copy_bytes(replica: HostedReplica) -> int:
-    """The bytes of the files :func:`copy_of` makes of ``replica``."""
-    held = replica.held
-    filled = held.filled if held is not None and held.slot is not None else ()
-    residuals = replica.slots[0].values() if replica.rng is not None and replica.slots else ()
-    return (
-        nbytes_of(replica.description, [])
-        + sum(t.nbytes for t in residuals)
-        + sum(replica.slots[held.slot][k].nbytes for k in filled)
-    )
-
-
-def copy_of(replica: HostedReplica, parts: Parts) -> dict[str, Any]:
-    """``replica`` appended to ``parts`` for another keeper (its tensors copied as they are
-    now: it steps on), what ``replica_copy_open`` takes (with its held iteration, if any, as a
-    ``replica_copy_merge`` would bring it); the header."""
-    tensors = list(tensors_of(replica.description, replica.optimizers))
-    description = parts.packed(replica.description, tensors)
-    record = parts.add(replica.record)
-    if replica.rng is not None:  # LowDiff's: its residuals' contents and its held differential
-        residuals = {k: parts.copy(replica.slots[0][k]) for k in replica.residuals or {}}
-        header = {
-            "iteration": replica.merged,
-            "layout": [],
-            "optimizers": description,
-            "slots": [residuals] if residuals else [],
-            "record": record,
-            "lowdiff": True,
-            "held": None,
-        }
-        if replica.held is not None:
-            header["held_differential"] = parts.add(encode_record(replica.held.differential))
-        return header
-    buckets = {
-        k: {"shape": s["shape"], "dtype": s["dtype"]} for k, s in replica.slot_specs[0].items()
-    }
-    header = {
-        "iteration": replica.merged,
-        "layout": replica.raw_layout,
-        "optimizers": description,
-        "slots": [buckets, dict(buckets)],  # two: the held iteration's and the next one's
-        "record": record,
-        "held": None,
-    }
-    held = replica.held
-    if held is not None:
-        spans = []
-        for k in sorted(held.filled) if held.slot is not None else []:
-            tensor = replica.slots[held.slot][k]
-            spans.append([k, parts.copy(tensor)["offset"], tensor.nbytes])
-        header["held"] = {
-            "iteration": held.iteration,
-            "filled": sorted(held.filled),
-            "groups": held.inputs.groups,
-            "clip": {str(k): v for k, v in held.inputs.clip_coeffs.items()},
-            "buckets": spans,
-            "has_slot": held.slot is not None,
-            "record": parts.add(held.record),
-        }
-    return header
-
-
-def feed(replica: HostedReplica, held: dict[str, Any], payload: bytearray | Received) -> None:
-    """Hand ``replica`` (a copy: two slots of its own) the iteration ``held`` describes: its
-    snapshot into the slot of the iteration's parity, then :meth:`HostedReplica.take`."""
-    slot = held["iteration"] % 2 if held["has_slot"] else None
-    for k, offset, n in held["buckets"]:
-        target = replica.slots[slot][k].view(-1).view(torch.uint8)
-        target[:n].copy_(torch.frombuffer(span(payload, offset, n), dtype=torch.uint8))
-    replica.take({**held, "slot": slot}, _slice(payload, held["record"]))

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from megatron_diffckpt.capture import capture_rng
-from megatron_diffckpt.keeper.bases import BaseStager
+from megatron_diffckpt.keeper.base_stager import BaseStager
 from megatron_diffckpt.keeper.replica_client import KEEPER_FLAG_HINT
 from megatron_diffckpt.patches import optimizer_layout, optimizer_step
 from megatron_diffckpt.storage.format import DiffRecord

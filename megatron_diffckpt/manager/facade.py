@@ -16,13 +16,13 @@ Call sequence, every call on all ranks::
         # when a base is published (the save's finalize step): manager.on_base_published(it)
     manager.close()
 
-What happens every iteration is the strategy's (:mod:`megatron_diffckpt.strategy`): LowDiff
-(:class:`~megatron_diffckpt.lowdiff.LowDiffStrategy`) or LowDiff+
-(:class:`~megatron_diffckpt.plus.LowDiffPlusStrategy`); the manager does what both share:
-recovery, the diff log, the bases' bookkeeping, retention and auto-tuning. Bases are the training
-loop's stock dist checkpoints (written from the training state or from the LowDiff+ replica); the
-diff log runs continuously across them, and recovery replays from the newest base the
-differentials after it.
+What happens every iteration is the strategy's (:mod:`megatron_diffckpt.strategies.base`): LowDiff
+(:class:`~megatron_diffckpt.strategies.lowdiff.LowDiffStrategy`) or LowDiff+
+(:class:`~megatron_diffckpt.strategies.lowdiff_plus.LowDiffPlusStrategy`); the manager does what
+both share: recovery (:mod:`.recovery`), the diff log, the bases' bookkeeping (:mod:`.bases`),
+retention and auto-tuning (:mod:`.tuning`). Bases are the training loop's stock dist checkpoints
+(written from the training state or from the LowDiff+ replica); the diff log runs continuously
+across them, and recovery replays from the newest base the differentials after it.
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ from megatron_diffckpt.background import children_die_with_this_process
 from megatron_diffckpt.base_space import BaseSpace
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig, KeeperPlan
-from megatron_diffckpt.keeper.bases import BaseStager
+from megatron_diffckpt.keeper.base_stager import BaseStager
 from megatron_diffckpt.keeper.client import KeeperClient
 from megatron_diffckpt.keeper.logs import KeeperLogWriter
-from megatron_diffckpt.lowdiff import LowDiffStrategy
 from megatron_diffckpt.manager.bases import KeptBaseStaging, base_floor_bytes
 from megatron_diffckpt.manager.metrics import collect_metrics
 from megatron_diffckpt.manager.recovery import (
@@ -56,12 +55,13 @@ from megatron_diffckpt.manager.recovery import (
 from megatron_diffckpt.manager.run import run_id, shard_layout_hash
 from megatron_diffckpt.manager.tuning import retune, start_tuner
 from megatron_diffckpt.patches import base_checkpoint, optimizer_layout, optimizer_step
-from megatron_diffckpt.plus import LowDiffPlusStrategy
 from megatron_diffckpt.shard_map import ShardMap, ShardMapRecorder, build_shard_map
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
-from megatron_diffckpt.strategy import PerIterationStrategy, SaveBase
+from megatron_diffckpt.strategies.base import PerIterationStrategy, SaveBase
+from megatron_diffckpt.strategies.lowdiff import LowDiffStrategy
+from megatron_diffckpt.strategies.lowdiff_plus import LowDiffPlusStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -373,7 +373,8 @@ class DiffCheckpointManager:
 
     def save_base(self, iteration: int, save: SaveBase) -> float:
         """Write a base of ``iteration`` through the training loop's ``save`` function (its
-        protocol: :mod:`megatron_diffckpt.strategy`), from the training state (LowDiff) or from
+        protocol: :mod:`megatron_diffckpt.strategies.base`), from the training state (LowDiff) or
+        from
         the host replica (LowDiff+, written in the background). Returns the seconds training was
         blocked. All ranks, collectively.
 

@@ -31,7 +31,7 @@ from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.checkpoint_layout import CheckpointNotFoundError, find_latest_iteration
 from megatron_diffckpt.config import KeeperPlan
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.keeper import bases, replica_client
+from megatron_diffckpt.keeper import base_stager, replica_client
 from megatron_diffckpt.keeper.client import KeeperClient
 from megatron_diffckpt.keeper.protocol import Op
 from megatron_diffckpt.patches import optimizer_step
@@ -199,8 +199,8 @@ class TieredRecovery:
         since_process_start = seconds_since_process_start()
         start = time.perf_counter()
         scan, chain, _, _ = self._chain(storage_base)
-        offered = bases.offered_bases(self.keeper)
-        agreed = bases.agree_on_kept_base(
+        offered = base_stager.offered_bases(self.keeper)
+        agreed = base_stager.agree_on_kept_base(
             offered, storage_base, chain.last_iteration, loaded, recovery.all_reduce_min
         )
         if agreed is None:
@@ -213,7 +213,7 @@ class TieredRecovery:
             return None
         base, target = agreed
         row, record = offered.bases[base]
-        bases.load_kept_base(row, self.torch_optimizers(), self.residuals)
+        base_stager.load_kept_base(row, self.torch_optimizers(), self.residuals)
         optimizer_step.publish_main_params(self.optimizer)
         restore_rng([record], self.rng_tracker)
         load_s = time.perf_counter() - start

@@ -2,12 +2,12 @@
 
 Two implementations, one per system of the paper:
 
-- :class:`~megatron_diffckpt.lowdiff.LowDiffStrategy` (LowDiff): the optimizer step's input is
-  captured inside the step and written as this rank's differential; bases are the training
+- :class:`~megatron_diffckpt.strategies.lowdiff.LowDiffStrategy` (LowDiff): the optimizer step's
+  input is captured inside the step and written as this rank's differential; bases are the training
   loop's own stock saves of the training state.
-- :class:`~megatron_diffckpt.plus.LowDiffPlusStrategy` (LowDiff+): reduced gradient buckets are
-  snapshotted to host memory during the backward pass and merged into a host replica of the
-  optimizer shard; bases are written from the replica in the background.
+- :class:`~megatron_diffckpt.strategies.lowdiff_plus.LowDiffPlusStrategy` (LowDiff+): reduced
+  gradient buckets are snapshotted to host memory during the backward pass and merged into a
+  host replica of the optimizer shard; bases are written from the replica in the background.
 
 The :class:`~megatron_diffckpt.manager.DiffCheckpointManager` owns one and does what both share
 (recovery, the diff log, bases' bookkeeping, retention, auto-tuning); a training loop talks to

@@ -2,7 +2,7 @@
 
 The :class:`~megatron_diffckpt.manager.DiffCheckpointManager` owns one
 :class:`LowDiffPlusStrategy` in ``--diffckpt-mode lowdiff-plus`` (the
-:class:`~megatron_diffckpt.strategy.PerIterationStrategy` of training without compression);
+:class:`~megatron_diffckpt.strategies.base.PerIterationStrategy` of training without compression);
 this module holds the order of things:
 
 1. backward pass: each bucket's reduced shard -> host slot (:mod:`~megatron_diffckpt.snapshot`,
@@ -15,8 +15,8 @@ this module holds the order of things:
 4. base due: once the replica holds the iteration, the training thread copies it into a persist
    buffer (a host memcpy; the merger goes on with the next iterations) and the training loop's
    save function plans a stock dist checkpoint of the copy (a collective; see
-   :mod:`megatron_diffckpt.strategy` for its protocol); a persister thread writes it (with the
-   replica in the node's keeper and ``--diffckpt-option keeper_writes_bases``: the keeper writes
+   :mod:`megatron_diffckpt.strategies.base` for its protocol); a persister thread writes it (with
+   the replica in the node's keeper and ``--diffckpt-option keeper_writes_bases``: the keeper writes
    the files, staged in shared memory, :mod:`~megatron_diffckpt.keeper.writes`), and once
    every rank has written, the training thread finalizes it (metadata last) and publishes it.
 
@@ -57,7 +57,12 @@ from megatron_diffckpt.replica_merger import (
 )
 from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
 from megatron_diffckpt.storage.writer import DiffLogWriter
-from megatron_diffckpt.strategy import BaseSource, IterationCost, PerIterationStrategy, SaveBase
+from megatron_diffckpt.strategies.base import (
+    BaseSource,
+    IterationCost,
+    PerIterationStrategy,
+    SaveBase,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +257,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
 
         Waits for the previous base to be published (one in flight), and for the merger to hold
         ``iteration``; on GPU the replica is first re-anchored from the device state. ``save``
-        plans the base in the background form (see :mod:`megatron_diffckpt.strategy`).
+        plans the base in the background form (see :mod:`megatron_diffckpt.strategies.base`).
         """
         start = time.perf_counter()
         if self._persist is not None:

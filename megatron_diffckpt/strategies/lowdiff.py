@@ -18,7 +18,12 @@ from typing import Any
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.patches import optimizer_step
 from megatron_diffckpt.storage.writer import DiffLogWriter
-from megatron_diffckpt.strategy import BaseSource, IterationCost, PerIterationStrategy, SaveBase
+from megatron_diffckpt.strategies.base import (
+    BaseSource,
+    IterationCost,
+    PerIterationStrategy,
+    SaveBase,
+)
 
 
 class LowDiffStrategy(PerIterationStrategy):
