@@ -1,5 +1,5 @@
 """The space under ``--save`` for bases: whether the next one fits, what a failed one means, and
-``--diffckpt-when-full``'s rules (:mod:`megatron_diffckpt.full_storage` recognises a full
+``--diffckpt-when-full``'s rules (:mod:`megatron_diffckpt.out_of_space` recognises a full
 filesystem; this module decides, for all ranks together).
 
 A base that would not fit is not started (some of a save's writes happen on one rank only, and
@@ -7,7 +7,7 @@ a failure there would leave the others waiting); a base whose save failed for wa
 any rank is given up on every rank: its partial folder removed, the newest published base and
 the diff log left standing. With ``skip`` bases resume once there is space (one warning per
 incident, and one when space is back); with ``block`` the job stops with
-:class:`~megatron_diffckpt.full_storage.StorageFullError`, saying what stands.
+:class:`~megatron_diffckpt.out_of_space.StorageFullError`, saying what stands.
 
 Collective rule: :meth:`BaseSpace.fits`, :meth:`BaseSpace.full_reason` and
 :meth:`BaseSpace.give_up` are called by all ranks together; the rest by any rank.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_diffckpt import full_storage, recovery
+from megatron_diffckpt import out_of_space, recovery
 from megatron_diffckpt.checkpoint_layout import (
     CheckpointNotFoundError,
     checkpoint_dir,
@@ -69,7 +69,7 @@ class BaseSpace:
         unknown = 2**62  # what the other ranks contribute: the MIN is rank 0's measurement
         fits, needed, free = True, unknown, unknown
         if torch.distributed.get_rank() == 0:
-            fits, needed, free = full_storage.base_fits(
+            fits, needed, free = out_of_space.base_fits(
                 self.save_dir, self.newest_published_dir(), floor
             )
         fits, needed, free = recovery.all_reduce_min([int(fits), needed, free])
@@ -81,9 +81,9 @@ class BaseSpace:
         """Why the base of ``iteration`` failed when storage is full on any rank; ``exc`` is
         raised again when it is not (megatron reports a failed save on every rank together).
         All ranks, collectively."""
-        reason = full_storage.full_reason(exc)
+        reason = out_of_space.full_reason(exc)
         if reason is None and torch.distributed.get_rank() == 0:
-            reason = full_storage.looks_full(
+            reason = out_of_space.looks_full(
                 self.save_dir, self.newest_published_dir(), checkpoint_dir(self.save_dir, iteration)
             )
         if recovery.all_reduce_min([0 if reason else 1])[0] == 1:
@@ -103,7 +103,7 @@ class BaseSpace:
             else "there is no base yet"
         )
         if self.when_full == "block":
-            raise full_storage.StorageFullError(
+            raise out_of_space.StorageFullError(
                 f"base {iteration} cannot be written under {self.save_dir} ({reason}); {stand}: "
                 "free space and restart with --load, or run with --diffckpt-when-full skip"
             )

@@ -18,7 +18,7 @@ import torch
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.capture import ReplayTarget, replay_record, restore_rng
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
-from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
+from megatron_diffckpt.out_of_space import FULL_ERRNOS, StorageFullError
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
@@ -108,7 +108,7 @@ def fill_log(
 ) -> None:
     """Publish ``records`` (consecutive, following the end of the rank's log) as one segment,
     so that storage's chain reaches as far as recovery did. Any rank. A full filesystem raises
-    :class:`~megatron_diffckpt.full_storage.StorageFullError` whatever ``--diffckpt-when-full``
+    :class:`~megatron_diffckpt.out_of_space.StorageFullError` whatever ``--diffckpt-when-full``
     says: training on would count iterations durable that storage lacks (the keeper still
     holds them for the next attempt)."""
     if not records:

@@ -34,7 +34,7 @@ import torch
 
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture
-from megatron_diffckpt.full_storage import StorageFullError
+from megatron_diffckpt.out_of_space import StorageFullError
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.writer import DiffLogWriter
 

@@ -26,7 +26,7 @@ import torch
 
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.errors import DiffCkptError
-from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
+from megatron_diffckpt.out_of_space import FULL_ERRNOS, StorageFullError
 
 logger = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ from launch import (
 )
 
 from megatron_diffckpt import recovery
-from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.keeper.client import KeeperClient, query, stop
 from megatron_diffckpt.keeper.server import KeeperState
 from megatron_diffckpt.keeper.shm import OWNER
 from megatron_diffckpt.keeper.wire import FRAME, recv, send
+from megatron_diffckpt.out_of_space import StorageFullError
 from megatron_diffckpt.storage.format import DiffRecord, SegmentIdentity, encode_record
 from megatron_diffckpt.storage.reader import RankLogScan, scan_rank_log
 

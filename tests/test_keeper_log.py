@@ -23,9 +23,9 @@ import torch
 from launch import REPO, run_cli
 from test_keeper import ME, record, start_keeper
 
-from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.keeper.client import KeeperClient, query, stop
 from megatron_diffckpt.keeper.logs import KeeperLogWriter
+from megatron_diffckpt.out_of_space import StorageFullError
 from megatron_diffckpt.storage.format import EncodedRecord, encode_record
 from megatron_diffckpt.storage.reader import scan_rank_log
 from megatron_diffckpt.storage.writer import OWNER_FILE, DiffLogOwnershipError, DiffLogWriter

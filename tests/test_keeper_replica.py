@@ -35,11 +35,11 @@ from test_keeper import (
 
 from megatron_diffckpt.capture import record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.keeper.client import KeeperClient, query, stop
 from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger
 from megatron_diffckpt.keeper.replicas import HostedReplica, HostedReplicas, ReplicaLog
 from megatron_diffckpt.keeper.server import KeeperState
+from megatron_diffckpt.out_of_space import StorageFullError
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe, initial_adam_state
 from megatron_diffckpt.snapshot import BucketSnapshotter
@@ -304,7 +304,7 @@ def test_a_new_chain_in_the_keepers_log_cuts_what_an_older_attempt_wrote_after_i
 def test_a_full_filesystem_under_the_keepers_log_stops_the_rank_in_its_own_words(tmp_path):
     """The keeper's writer of a rank's diff log meets a full filesystem (``--diffckpt-when-full
     block``): the hand-over's reply names it, and the rank raises
-    :class:`~megatron_diffckpt.full_storage.StorageFullError` (as its own writer would), not
+    :class:`~megatron_diffckpt.out_of_space.StorageFullError` (as its own writer would), not
     "the keeper is gone"."""
     train = _training_optimizer()
     (tmp_path / "shm").mkdir()

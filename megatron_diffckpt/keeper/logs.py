@@ -21,7 +21,7 @@ EncodedRecord`: no decoding, no second serialisation or checksum), with the rank
    keeper is lost, or its writer fails, the rank takes its folder back, cuts the log at the
    durable iteration and writes those records and every later one itself (said once); storage
    full stops training as the rank's own writer would
-   (:class:`~megatron_diffckpt.full_storage.StorageFullError`). When the rank dies, the keeper
+   (:class:`~megatron_diffckpt.out_of_space.StorageFullError`). When the rank dies, the keeper
    writes what it holds of its log at once (the connection's end); when the keeper stops, it
    writes every log it holds.
 4. **One incarnation.** A log opened again for the same rank (a restart) replaces the older
@@ -46,8 +46,8 @@ from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
 from megatron_diffckpt.durable_io import publish_file
-from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.keeper.protocol import Op
+from megatron_diffckpt.out_of_space import StorageFullError
 from megatron_diffckpt.recovery import truncate_log
 from megatron_diffckpt.storage.format import (
     DiffLogFormatError,

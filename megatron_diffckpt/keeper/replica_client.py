@@ -23,8 +23,8 @@ import torch
 from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.full_storage import StorageFullError
 from megatron_diffckpt.keeper.protocol import Op
+from megatron_diffckpt.out_of_space import StorageFullError
 from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,

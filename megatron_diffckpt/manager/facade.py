@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import failpoints, full_storage, recovery, retention
+from megatron_diffckpt import failpoints, out_of_space, recovery, retention
 from megatron_diffckpt.autotune import (
     OnlineTuner,
 )
@@ -390,7 +390,7 @@ class DiffCheckpointManager:
             if first:  # a job's starting point is published before its first iteration
                 self.strategy.finish_bases()
                 blocked = time.perf_counter() - start
-        except full_storage.SAVE_FAILURES as exc:
+        except out_of_space.SAVE_FAILURES as exc:
             self.base_failed(iteration, exc)
             return time.perf_counter() - start
         if self._kept is not None:
@@ -415,7 +415,7 @@ class DiffCheckpointManager:
         When storage is full on any rank: with ``--diffckpt-when-full skip`` the base is given
         up with one warning per incident (its partial folder removed; the newest published base
         and the diff log stand, and bases resume once there is space); with ``block`` the job
-        stops with :class:`~megatron_diffckpt.full_storage.StorageFullError`. Any other error is
+        stops with :class:`~megatron_diffckpt.out_of_space.StorageFullError`. Any other error is
         raised again."""
         self._give_up_base(iteration, self.space.full_reason(iteration, exc))
 

@@ -76,6 +76,23 @@ def _counters(record: DiffRecord | None) -> tuple[int | None, int | None]:
     return record.scalars["scheduler_steps"], record.scalars["consumed_samples"]
 
 
+def _from_keepers(
+    target: int, record: DiffRecord, load_s: float, replay_s: float | None, since_start: float
+) -> Recovered:
+    """A LowDiff recovery from the keepers (a replica, or a kept base and its replay) to
+    ``target``, whose counters ``record`` carries; ``since_start``: the process's age when the
+    recovery began, ``load_s`` of which went to the keepers' copy."""
+    return Recovered(
+        target,
+        *_counters(record),
+        tier="keepers",
+        base=None,
+        base_load_s=load_s,
+        replay_s=replay_s,
+        startup_s=max(0.0, since_start - load_s),
+    )
+
+
 class TieredRecovery:
     """One rank's recovery (see the module). Its methods are all ranks, collectively."""
 
@@ -185,15 +202,7 @@ class TieredRecovery:
         self._scanned = None
         load_s = time.perf_counter() - start
         _, costs = self._replay_chain(scan, chain, target, target)
-        return Recovered(
-            target,
-            *_counters(record),
-            tier="keepers",
-            base=None,
-            base_load_s=load_s,
-            replay_s=costs,
-            startup_s=max(0.0, since_process_start - load_s),
-        )
+        return _from_keepers(target, record, load_s, costs, since_process_start)
 
     def _kept_base(self, storage_base: int, loaded: bool) -> Recovered | None:
         since_process_start = seconds_since_process_start()
@@ -227,15 +236,7 @@ class TieredRecovery:
         )
         self._scanned = None
         last, costs = self._replay_chain(scan, chain, base, target)
-        return Recovered(
-            target,
-            *_counters(last or record),
-            tier="keepers",
-            base=None,
-            base_load_s=load_s,
-            replay_s=costs,
-            startup_s=max(0.0, since_process_start - load_s),
-        )
+        return _from_keepers(target, last or record, load_s, costs, since_process_start)
 
     # --- storage -----------------------------------------------------------------------------
 

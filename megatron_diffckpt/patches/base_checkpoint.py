@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_diffckpt.errors import DiffCkptUsageError
-from megatron_diffckpt.full_storage import SAVE_FAILURES
+from megatron_diffckpt.out_of_space import SAVE_FAILURES
 from megatron_diffckpt.patches.base import MegatronDriftError, MethodPatch, PatchSet
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
 from megatron_diffckpt.durable_io import StagedPublisher, publish_file
 from megatron_diffckpt.errors import DiffCkptError
-from megatron_diffckpt.full_storage import FULL_ERRNOS, StorageFullError
+from megatron_diffckpt.out_of_space import FULL_ERRNOS, StorageFullError
 from megatron_diffckpt.storage.format import (
     DiffRecord,
     EncodedRecord,

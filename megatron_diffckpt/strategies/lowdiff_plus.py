@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import failpoints, full_storage, recovery
+from megatron_diffckpt import failpoints, out_of_space, recovery
 from megatron_diffckpt.background import CpuMeter, lower_priority
 from megatron_diffckpt.capture import capture_rng, step_hyperparameters
 from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger
@@ -360,7 +360,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._persist = None
         try:
             finalize()  # megatron raises a failed write here, on every rank
-        except full_storage.SAVE_FAILURES as exc:
+        except out_of_space.SAVE_FAILURES as exc:
             if self.on_base_failed is None:
                 raise
             self.on_base_failed(iteration, exc)

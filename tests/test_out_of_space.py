@@ -7,7 +7,7 @@ import os
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_diffckpt.full_storage import base_fits, folder_bytes, full_reason, looks_full
+from megatron_diffckpt.out_of_space import base_fits, folder_bytes, full_reason, looks_full
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 
