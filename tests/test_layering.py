@@ -75,3 +75,28 @@ def test_the_contracts_catch_a_forbidden_import(tmp_path, module, line, broken):
     proc = lint_imports(tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert broken in proc.stdout.split("Broken contracts")[1], proc.stdout[-3000:]
+
+
+def test_every_module_of_the_package_imports():
+    """A module left importing a name that moved fails here, in the quick tests, rather than in
+    the first training job that reaches it (Megatron-LM's training modules aside: they need a
+    checkout on the path, and tests/test_megatron_lm.py imports them)."""
+    names = [
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p.name != "__main__.py"
+    ]
+    code = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        f"for name in {names!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        if not (exc.name or '').startswith('megatron.training'):\n"
+        "            failed.append(f'{name}: {exc}')\n"
+        "print('\\n'.join(failed)); sys.exit(1 if failed else 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -23,7 +23,7 @@ from megatron_diffckpt.config import DiffCkptConfig
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.patches import base_checkpoint, grad_sync
 from megatron_diffckpt.storage.format import DiffRecord
-from megatron_diffckpt.strategy import BaseSource
+from megatron_diffckpt.strategies.base import BaseSource
 
 logger = logging.getLogger(__name__)
 

@@ -96,7 +96,7 @@ class KeeperClient:
 
     def hand(self, record: DiffRecord, extra: dict | None = None) -> dict | None:
         """:meth:`put` with ``extra`` in the request (``log``: the diff log the keeper writes
-        for this rank, :mod:`~megatron_diffckpt.keeper_log`); the keeper's reply, or ``None``
+        for this rank, :mod:`~megatron_diffckpt.keeper.logs`); the keeper's reply, or ``None``
         once it is lost."""
         header = {"op": Op.PUT, "iteration": record.iteration, **(extra or {})}
         reply = self.call(header, encode_record(record))
