@@ -530,14 +530,28 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
         r"\[rank0\] (\d\d:\d\d:\d\d) recovery: iteration (\d+) from the replica in (.*?) in ",
         text,
     )
-    (t1, tier1), (t2, tier2) = [(int(t), tier) for _, t, tier in sorted(found)]
-    # nothing the keepers acknowledged is lost; 10 was, by both, once 11 was logged
-    assert t1 >= acked >= 10 and tier1 == "the node's keeper", (found, acked)
-    assert t2 >= max(held, t1 + 1), (found, held)
-    assert tier2 in ("the node's keeper", "the keeper of node 0 (a peer)"), found
-    adopted = re.findall(r"keeper: adopted the replica of (rank_\S+) at iteration (\d+)", text)
-    assert len(adopted) == 1 and int(adopted[0][1]) + 1 >= t2, adopted  # node 1's rank
     to_storage = "recovery: the node keepers hold no replica: recovering from storage"
+    # nothing the keepers acknowledged is lost; 10 was, by both, once 11 was logged
+    (t1, tier1), *after = [(int(t), tier) for _, t, tier in sorted(found)]
+    assert t1 >= acked >= 10 and tier1 == "the node's keeper", (found, acked)
+    if after:
+        ((t2, tier2),) = after
+        assert tier2 in ("the node's keeper", "the keeper of node 0 (a peer)"), found
+        adopted = re.findall(r"keeper: adopted the replica of (rank_\S+) at iteration (\d+)", text)
+        assert len(adopted) == 1 and int(adopted[0][1]) + 1 >= t2, adopted  # node 1's rank
+    else:
+        # The rendezvous after node 1's return may seat the ranks on each other's node: a
+        # keeper then holds the other rank's replica (or copy) and serves neither (not yet:
+        # issue 32's follow-up); the job falls back to storage, and loses nothing the keepers
+        # wrote to the diff log.
+        recoveries = sorted(  # (time, node, iteration) of rank 0's recoveries
+            (m[0], node, int(m[1]))
+            for node, log in enumerate(job.logs)
+            for m in re.findall(r"\[rank0\] (\S+) recovered to iteration (\d+)", log.read_text())
+        )
+        (_, first_node, _), (_, second_node, t2) = recoveries[:2]
+        assert first_node != second_node, ("rank 0 kept its node, no replica served", recoveries)
+    assert t2 >= max(held, t1 + 1), (found, held, t2)
     assert to_storage in text
     base = re.findall(r"loaded checkpoint from \S+ at iteration (\d+)", text)
     # storage's newest published base, read once: no older than the newest rank 0 saw published
