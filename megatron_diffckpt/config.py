@@ -104,14 +104,6 @@ class DiffCkptOptions:
             values[name] = _convert(name, kinds[name], text.strip())
         return cls(**values)
 
-    def changed(self) -> dict[str, Any]:
-        """The options set away from their defaults (for the log line of a start)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if getattr(self, f.name) != f.default
-        }
-
 
 def _convert(name: str, kind: str, text: str) -> Any:
     lowered = text.lower()
