@@ -63,14 +63,16 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def launcher_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """This launcher's leading ``--diffckpt-keeper-*`` flags (``FLAG VALUE`` or
-    ``FLAG=VALUE``), and torchrun's arguments after them."""
+    """This launcher's leading flags (``--keeper-memory``, ``--keeper-peers``; ``FLAG VALUE`` or
+    ``FLAG=VALUE``), and torchrun's arguments after them. Raises ``SystemExit`` with one line
+    for a bad value or a retired flag."""
     opts: dict[str, str] = {}
-    if argv and argv[0].split("=", 1)[0] in RETIRED:
-        old = argv[0].split("=", 1)[0]
-        raise SystemExit(f"{PROG}: {old} was retired; use {RETIRED[old]}")
-    while argv and argv[0].split("=", 1)[0] in (KEEPER_FLAG, PEERS_FLAG):
+    while argv:
         flag, _, value = argv[0].partition("=")
+        if flag in RETIRED:
+            raise SystemExit(f"{PROG}: {flag} was retired; use {RETIRED[flag]}")
+        if flag not in (KEEPER_FLAG, PEERS_FLAG):
+            break
         if not value:
             if len(argv) < 2:
                 raise SystemExit(f"{PROG}: {flag} needs a value")
