@@ -18,9 +18,9 @@ The points:
 - ``iteration-end``: an iteration's differential was handed over (LowDiff: to the diff log's
   writer, and to the node's keeper when one runs; LowDiff+: to its merger), before the next
   iteration (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.end_iteration`);
-- ``base-kept``: LowDiff's node keeper acknowledged a base (:mod:`~megatron_diffckpt.
-  keeper_base`, on the staging thread, before the next optimizer step; an asynchronous save
-  not yet published).
+- ``base-kept``: LowDiff's node keeper acknowledged a base
+  (:mod:`~megatron_diffckpt.keeper.base_stager`, on the staging thread, before the next
+  optimizer step; an asynchronous save not yet published).
 
 The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
 hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one

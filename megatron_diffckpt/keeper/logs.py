@@ -1,6 +1,6 @@
 """LowDiff's diff log written by the node's keeper: each record leaves the rank once.
 
-Under a keeper every LowDiff record is handed to it (:meth:`~megatron_diffckpt.keeper.
+Under a keeper every LowDiff record is handed to it (:meth:`~megatron_diffckpt.keeper.client.
 KeeperClient.put`, already in the diff log's encoding) before the rank's own writer serialises
 it again, checksums it, writes and syncs it. With ``--diffckpt-option keeper_writes_log`` the keeper
 writes the segments from the bytes it was handed (:class:`~megatron_diffckpt.storage.format.
@@ -32,7 +32,7 @@ EncodedRecord`: no decoding, no second serialisation or checksum), with the rank
 This module holds both sides: :class:`KeeperLogs` (the keeper's, one lock per rank) and
 :class:`KeeperLogWriter` (the rank's, the training thread), and :func:`open_log`, the
 keeper's writer of a rank's log, which LowDiff+'s replica in the keeper shares
-(:class:`~megatron_diffckpt.keeper.replicas.ReplicaLog`).
+(:class:`~megatron_diffckpt.keeper.hosted_replica.ReplicaLog`).
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ class KeeperReplicaMerger(QueuedMerges):
         self.layout = layout
         self.log = log
         """What the keeper's writer of this rank's diff log takes
-        (:class:`~megatron_diffckpt.keeper.replicas.ReplicaLog`'s ``spec``; ``None``: the keeper
-        writes no diff log, only bases make iterations durable on storage)."""
+        (:class:`~megatron_diffckpt.keeper.hosted_replica.ReplicaLog`'s ``spec``; ``None``: the
+        keeper writes no diff log, only bases make iterations durable on storage)."""
         self.durable: int | None = None
         """The newest iteration the keeper's writer made durable, as of its last reply."""
         self.cpu = cpu if cpu is not None else CpuMeter()

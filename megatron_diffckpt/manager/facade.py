@@ -263,7 +263,7 @@ class DiffCheckpointManager:
             )
         keeper_log = None
         if in_keeper and self.config.options.diff_log:
-            # the keeper writes the diff log from its merges (keeper.replicas.ReplicaLog)
+            # the keeper writes the diff log from its merges (keeper.hosted_replica.ReplicaLog)
             keeper_log = {
                 "root": self.dir,
                 "compressor": self.tiers.compressor,

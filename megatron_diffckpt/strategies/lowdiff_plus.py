@@ -99,7 +99,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         keeper: the node's keeper client when the replica and its merger live there
             (:mod:`~megatron_diffckpt.keeper.replicas`; one more snapshot slot, in shared memory).
         keeper_log: with ``keeper``, the settings of the diff log the keeper writes from its
-            merges (:class:`~megatron_diffckpt.keeper.replicas.ReplicaLog`); ``None``: none.
+            merges (:class:`~megatron_diffckpt.keeper.hosted_replica.ReplicaLog`); ``None``: none.
         keeper_writes_bases: with ``keeper``, the keeper writes each base's files (the tensors
             megatron's planner hands its writer, staged in the keeper's shared-memory folder);
             else this rank does.
