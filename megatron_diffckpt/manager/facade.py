@@ -126,7 +126,6 @@ class DiffCheckpointManager:
         self._published_bases: list[int] = []
         self.recovered: Recovered | None = None
         """What :meth:`recover` did (``None``: a fresh start)."""
-        self._in_keeper = False  # LowDiff+'s replica lives in the node's keeper
         self._ended: tuple[int, int, int] | None = None  # (iteration, scheduler steps, consumed)
         self._shard_maps = ShardMapRecorder(self.rank_dir, config.when_full)
         self.last_diff_seconds = 0.0
@@ -155,6 +154,11 @@ class DiffCheckpointManager:
             if self.plan.kept_bases
             else None
         )
+
+    @property
+    def _replica_in_keeper(self) -> bool:
+        """LowDiff+'s replica and merger live in the node's keeper (``--diffckpt-keeper``)."""
+        return self.config.mode == "lowdiff-plus" and self.plan.replica
 
     def recover(
         self,
@@ -195,7 +199,7 @@ class DiffCheckpointManager:
         durable on return. An optimizer the map cannot describe (not megatron's distributed
         optimizer in the ``dp_reshardable`` format) is logged, and ``merge`` refuses the run.
         """
-        if self._shard_maps.done or (self.writer is None and not self._in_keeper):
+        if self._shard_maps.done or (self.writer is None and not self._replica_in_keeper):
             return  # bases only: nothing past them to merge or place
         inner = [
             i
@@ -252,7 +256,7 @@ class DiffCheckpointManager:
             )
             self.full_interval = full_interval
         plus = self.config.mode == "lowdiff-plus"
-        in_keeper = plus and self.plan.replica
+        in_keeper = self._replica_in_keeper
         # recovered from a keeper's LowDiff+ replica: (its iteration, its description)
         replica = self.recovered.replica if self.recovered is not None else None
         if plus and self.keeper is None and self.config.forced("keeper_replica"):
@@ -299,7 +303,6 @@ class DiffCheckpointManager:
             )
         if self.writer is None and replica is None:
             self._published_bases.append(iteration)  # bases only: durable from the start on
-        self._in_keeper = in_keeper
         if self.config.mode == "lowdiff-plus":
             trace = os.path.join(self.dir, "trace", f"{self.identity.dirname()}.json")
             self.strategy = LowDiffPlusStrategy(
@@ -454,7 +457,7 @@ class DiffCheckpointManager:
         self.space.published(iteration)
         if self.writer is not None:
             self.writer.rebase(iteration)
-        elif self._in_keeper:
+        elif self._replica_in_keeper:
             self.keeper.published(iteration)  # the keeper's writer of this rank's diff log
         if self.tuner is not None:
             self._published[iteration] = time.perf_counter()
@@ -490,7 +493,7 @@ class DiffCheckpointManager:
             self.last_diff_seconds,
             self.durable_iteration,
             self.writer,
-            self.keeper if self.writer is not None or self._in_keeper else None,
+            self.keeper if self.writer is not None or self._replica_in_keeper else None,
             self.strategy,
         )
 
