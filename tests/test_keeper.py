@@ -466,6 +466,7 @@ class TwoNodes:
         self.port = _free_port()
         self.logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
         self.nodes: list[subprocess.Popen] = []
+        self.lost_at: list[int] = []  # each log's length when everything was lost
 
     def __enter__(self) -> TwoNodes:
         self.nodes = self._started(self._node(0))
@@ -499,6 +500,14 @@ class TwoNodes:
 
     def text(self) -> str:
         return "".join(log.read_text() for log in self.logs if log.exists())
+
+    def before_all_lost(self) -> str:
+        """Both logs up to :meth:`restart_all` (whichever node each rank ran on)."""
+        return "".join(log.read_text()[:n] for log, n in zip(self.logs, self.lost_at, strict=True))
+
+    def since_all_lost(self) -> str:
+        """Both logs after :meth:`restart_all`."""
+        return "".join(log.read_text()[n:] for log, n in zip(self.logs, self.lost_at, strict=True))
 
     def logged(self, iteration: int) -> None:
         """Wait until some rank logged ``iteration``."""
@@ -535,10 +544,12 @@ class TwoNodes:
         self.nodes[rank] = self._node(rank)
 
     def restart_all(self) -> None:
-        """SIGKILL everything, then start both nodes again."""
+        """SIGKILL everything, then start both nodes again (:meth:`before_all_lost` and
+        :meth:`since_all_lost` split the logs there)."""
         self.kill([p for rank in range(2) for p in self._whole(rank)])
         for n in self.nodes:
             n.wait(30)
+        self.lost_at = [len(log.read_text()) for log in self.logs]
         self.nodes = self._started(self._node(0))
 
     def wait(self) -> None:
