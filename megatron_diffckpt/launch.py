@@ -25,14 +25,23 @@ keepers of the job's nodes in a ring, each copying to the next node's
 (:mod:`megatron_diffckpt.keeper.peers`), so that a node lost whole recovers from its successor.
 The keeper's shared-memory folder (``/dev/shm``, named after the keeper's socket folder) is
 removed when the keeper stops, even one that died.
+
+However the launcher itself ends (an OOM kill, a SIGKILL of a step outside Slurm's cgroup), the
+job's processes on the node end with it: a small *watchdog* process (:func:`watch`, no torch
+import) polls the launcher, and once it is gone SIGKILLs every process that carries this
+launch's mark in its environment (:data:`JOB_ENV`: torchrun, the ranks, what they started, the
+keeper), removes the keeper's socket and shared-memory folders, and exits; within a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +67,10 @@ options:
                        each copying to the next node's, so a node lost whole recovers from it
 """
 KEEPER_START_S = 60.0
+JOB_ENV = "DIFFCKPT_LAUNCH_JOB"
+"""Set by the launcher in the environment of everything it starts (torchrun, hence the ranks and
+their children, and the keeper): what the watchdog kills when the launcher is gone."""
+WATCH_POLL_S = 0.2
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -108,10 +121,12 @@ def node_of(argv: list[str]) -> tuple[int, int]:
     return int(rank), int(nnodes)
 
 
-def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Popen, str]:
-    """The node's keeper, listening on a socket in a fresh private folder; with
-    ``PEERS_FLAG``, in the job's ring of keepers (advertised at ``DIFFCKPT_KEEPER_HOST``,
-    default this host's name)."""
+def start_keeper(
+    opts: dict[str, str], argv: list[str], env: dict[str, str]
+) -> tuple[subprocess.Popen, str]:
+    """The node's keeper, listening on a socket in a fresh private folder, in environment
+    ``env``; with ``PEERS_FLAG``, in the job's ring of keepers (advertised at
+    ``DIFFCKPT_KEEPER_HOST``, default this host's name)."""
     sock = os.path.join(tempfile.mkdtemp(prefix="diffckpt-keeper-"), "socket")
     cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
     cmd += ["--memory-mib", opts[KEEPER_FLAG], "--shm-dir", shm_dir(sock)]
@@ -123,7 +138,7 @@ def start_keeper(opts: dict[str, str], argv: list[str]) -> tuple[subprocess.Pope
     from megatron_diffckpt.failpoints import ENV as FAILPOINT_ENV
 
     # fail points kill ranks (the keeper writes LowDiff+'s diff log, but is no rank)
-    keeper = subprocess.Popen(cmd, env={k: v for k, v in os.environ.items() if k != FAILPOINT_ENV})
+    keeper = subprocess.Popen(cmd, env={k: v for k, v in env.items() if k != FAILPOINT_ENV})
     deadline = time.monotonic() + KEEPER_START_S
     while not os.path.exists(sock):
         if keeper.poll() is not None or time.monotonic() > deadline:
@@ -155,6 +170,52 @@ def stop_keeper(keeper: subprocess.Popen, sock: str) -> None:
     remove_shm(shm_dir(sock))
 
 
+def job_processes(job: str) -> list[psutil.Process]:
+    """The processes (of this user) whose environment carries ``JOB_ENV=job``, this one
+    excepted."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(JOB_ENV) == job:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def watch(launcher: int, job: str, folders: list[str]) -> None:
+    """The watchdog's body: wait until process ``launcher`` (its parent) is gone, then SIGKILL
+    the job's processes (until none is left: one may fork while they die) and remove
+    ``folders`` (the keeper's socket and shared-memory folders). The launcher kills the
+    watchdog when it ends normally; this runs only when the launcher died first."""
+    while os.getppid() == launcher:
+        time.sleep(WATCH_POLL_S)
+    killed = 0
+    for _ in range(50):
+        left = job_processes(job)
+        if not left:
+            break
+        for p in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        killed += len(left)
+        psutil.wait_procs(left, timeout=1)
+    from megatron_diffckpt.keeper.shm import remove_shm
+
+    for folder in folders:
+        remove_shm(folder)  # and its owner file, if it has one
+    print(f"{PROG}: the launcher (pid {launcher}) is gone: killed the {killed} process(es) of its "
+          "job", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def start_watchdog(job: str, folders: list[str]) -> subprocess.Popen:
+    """The watchdog of this launcher (:func:`watch`), itself without the job's mark."""
+    code = "import sys; from megatron_diffckpt.launch import watch; "
+    code += "watch(int(sys.argv[1]), sys.argv[2], sys.argv[3:])"
+    env = {k: v for k, v in os.environ.items() if k != JOB_ENV}
+    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), job, *folders], env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun for this node (the console script ``megatron-diffckpt-launch``); returns
     torchrun's exit code."""
@@ -167,13 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, OSError):
         pass  # not Linux: orphans are reparented to init, as without this launcher
     opts, argv = launcher_options(argv)
-    keeper, env = None, dict(os.environ)
+    job = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    keeper, env = None, dict(os.environ, **{JOB_ENV: job})
     # torchrun shares its rendezvous store with the ranks' process groups by default; a restart
     # (--max-restarts) then can read the previous attempt's addresses and fail to connect
     # (pytorch/pytorch#135712): each attempt's ranks get a store of their own instead.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    folders = []
     if KEEPER_FLAG in opts:
-        keeper, env["DIFFCKPT_KEEPER"] = start_keeper(opts, argv)
+        keeper, env["DIFFCKPT_KEEPER"] = start_keeper(opts, argv, env)
+        folders = [os.path.dirname(env["DIFFCKPT_KEEPER"]), shm_dir(env["DIFFCKPT_KEEPER"])]
+    watchdog = start_watchdog(job, folders)
     torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env)
 
     def forward(signum, _frame):  # scancel / preemption reach torchrun, which stops the ranks
@@ -184,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     rc = torchrun.wait()
     if keeper is not None:
         stop_keeper(keeper, env["DIFFCKPT_KEEPER"])
+    watchdog.kill()
+    watchdog.wait()
     leftovers = psutil.Process().children(recursive=True)
     for p in leftovers:
         try:

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from launch import LAUNCH, REPO, RUN_TIMEOUT_S, TINY_GPT, run_cli, run_gpt
+from launch import LAUNCH, REPO, RUN_TIMEOUT_S, TINY_GPT, kill_tree, run_cli, run_gpt
 from test_keeper import (
     PRETRAIN_GPT,
     TwoNodes,
@@ -39,6 +39,7 @@ from megatron_diffckpt.keeper.client import KeeperClient, query, stop
 from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger
 from megatron_diffckpt.keeper.replicas import HostedReplica, HostedReplicas, ReplicaLog
 from megatron_diffckpt.keeper.server import KeeperState
+from megatron_diffckpt.keeper.shm import shared_memory_root
 from megatron_diffckpt.out_of_space import StorageFullError
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, StepInputs, replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe, initial_adam_state
@@ -571,3 +572,29 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
     )
     assert len(got) == 1 and got[0][0] == base[0] and int(got[0][1]) <= int(got[0][2]), got
     _assert_ends_as_straight(tmp_path, int(got[0][1]))
+
+
+@pytest.mark.distributed
+def test_a_killed_launcher_takes_its_keeper_ranks_and_shared_memory_with_it(tmp_path):
+    """LowDiff+ with its replica in the keeper under the node launcher: a SIGKILL of the
+    launcher (an OOM kill, a step killed outside Slurm's cgroup) leaves nothing of the job
+    alive 10 s later (torchrun, ranks, what they started, the keeper) and removes the keeper's
+    socket and shared-memory folders."""
+    ckpt = tmp_path / "ckpt"
+    args = [*TINY_GPT, "--use-distributed-optimizer", "--train-iters", "500"]
+    args += ["--diffckpt-mode", "lowdiff-plus", "--save", str(ckpt), "--load", str(ckpt)]
+    proc, lines = _launch([*args, "--diffckpt-full-interval", "10"])
+    try:
+        _wait_logged(lines, 3, proc)
+        sock = keeper_socket_in("".join(lines))
+        shm = Path(shared_memory_root()) / Path(sock).parent.name
+        job = psutil.Process(proc.pid).children(recursive=True)
+        assert shm.is_dir() and len(job) >= 4, (shm, job)  # keeper, watchdog, torchrun, 2 ranks
+        proc.kill()
+        proc.wait(30)
+        gone, alive = psutil.wait_procs(job, timeout=10)
+    finally:
+        kill_tree(proc)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    assert not shm.exists() and not Path(sock).parent.exists()
+    assert "megatron-diffckpt-launch: the launcher (pid" in "".join(lines)
