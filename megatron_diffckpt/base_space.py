@@ -9,8 +9,8 @@ the diff log left standing. With ``skip`` bases resume once there is space (one 
 incident, and one when space is back); with ``block`` the job stops with
 :class:`~megatron_diffckpt.out_of_space.StorageFullError`, saying what stands.
 
-Collective rule: :meth:`BaseSpace.fits`, :meth:`BaseSpace.full_reason` and
-:meth:`BaseSpace.give_up` are called by all ranks together; the rest by any rank.
+Collective rule: :meth:`BaseSpace.fits` and :meth:`BaseSpace.give_up` are called by all ranks
+together; the rest by any rank.
 """
 
 from __future__ import annotations
@@ -72,23 +72,21 @@ class BaseSpace:
             fits, needed, free = out_of_space.base_fits(
                 self.save_dir, self.newest_published_dir(), floor
             )
-        fits, needed, free = recovery.all_reduce_min([int(fits), needed, free])
+        fits, needed, free = recovery.all_reduce_min(
+            [int(fits), needed, free], what="base: does it fit?"
+        )
         if fits:
             return None
         return f"{free / 2**20:.1f} MiB free, a base needs about {needed / 2**20:.1f} MiB"
 
-    def full_reason(self, iteration: int, exc: BaseException) -> str:
-        """Why the base of ``iteration`` failed when storage is full on any rank; ``exc`` is
-        raised again when it is not (megatron reports a failed save on every rank together).
-        All ranks, collectively."""
-        reason = out_of_space.full_reason(exc)
-        if reason is None and torch.distributed.get_rank() == 0:
-            reason = out_of_space.looks_full(
-                self.save_dir, self.newest_published_dir(), checkpoint_dir(self.save_dir, iteration)
-            )
-        if recovery.all_reduce_min([0 if reason else 1])[0] == 1:
-            raise exc
-        return reason or "storage is full on another rank"
+    def full_reason(self, iteration: int, exc: BaseException) -> str | None:
+        """Why the base of ``iteration`` failed on this rank when its storage is full (the
+        error says so, or too little space is left), else ``None``. Any rank, nothing
+        collective (the ranks agree on it in
+        :meth:`~megatron_diffckpt.manager.DiffCheckpointManager.agree_on_base`)."""
+        return out_of_space.full_reason(exc) or out_of_space.looks_full(
+            self.save_dir, self.newest_published_dir(), checkpoint_dir(self.save_dir, iteration)
+        )
 
     def give_up(self, iteration: int, reason: str, durable_iteration: int) -> None:
         """Base ``iteration`` cannot be written: clean its partial folder, then skip it (with

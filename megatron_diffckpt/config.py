@@ -79,8 +79,14 @@ class DiffCkptOptions:
     of the rank's persister thread. Off: measured slower on hosts whose cores training keeps
     busy (a base every iteration on 2 CPU cores: +31.8% per iteration against +21.3%)."""
 
+    collective_timeout: int = 600
+    """Seconds a collective of this library (an agreement on a base's outcome, on the
+    iteration to recover) waits for every rank; then the job stops in one line naming the ranks
+    that did not arrive and where each was last (Megatron-LM's --distributed-timeout-minutes
+    is 10 minutes too)."""
+
     def __post_init__(self) -> None:
-        for name in ("max_pending", "host_memory_budget", "retune_interval"):
+        for name in ("max_pending", "host_memory_budget", "retune_interval", "collective_timeout"):
             if getattr(self, name) < 1:
                 raise DiffCkptUsageError(f"--diffckpt-option {name} must be >= 1")
 
@@ -194,7 +200,7 @@ class DiffCkptConfig:
     """NAME=VALUE[,NAME=VALUE] (repeatable): fine-grained settings for tests, benchmarks and
     experts, each documented in the flag reference: max_pending, host_memory_budget,
     retune_interval, buffered_io, diff_log, keeper_kept_bases, keeper_writes_log,
-    keeper_replica, keeper_writes_bases."""
+    keeper_replica, keeper_writes_bases, collective_timeout."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -28,8 +28,11 @@ from megatron_diffckpt.errors import DiffCkptError
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 """A write that failed for want of space (no space, quota, file size limit)."""
 
-SAVE_FAILURES = (OSError, CheckpointException)
-"""What a failed megatron save or finalize raises (DCP's exception is a ``BaseException``)."""
+SAVE_FAILURES = (Exception, CheckpointException)
+"""What a failed megatron save or finalize raises: any error (a rank's own: its writer's helper
+process gone, a permission refused; or megatron's report of a failed write on every rank), and
+DCP's exception, a ``BaseException``. The ranks agree on it before acting
+(:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.agree_on_base`)."""
 
 HEADROOM = 1.1
 """A base is started only when this many times the newest base's bytes are free."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import failpoints
+from megatron_diffckpt import control, failpoints
 from megatron_diffckpt.capture import ReplayTarget, replay_record, restore_rng
 from megatron_diffckpt.durable_io import fsync_dir, publish_file
 from megatron_diffckpt.out_of_space import FULL_ERRNOS, StorageFullError
@@ -36,29 +36,35 @@ from megatron_diffckpt.storage.reader import (
 logger = logging.getLogger(__name__)
 
 
-def all_reduce_min(values: list[int], group: Any = None) -> list[int]:
-    """The element-wise minimum of ``values`` over the ranks of ``group``: one all-reduce.
-    All ranks of ``group``, collectively."""
-    return _all_reduce(values, torch.distributed.ReduceOp.MIN, group)
+def all_reduce_min(values: list[int], group: Any = None, what: str = "all-reduce") -> list[int]:
+    """The element-wise minimum of ``values`` over the ranks of ``group``: one all-reduce (on
+    the whole job, the library's collective ``what``, with :mod:`~megatron_diffckpt.control`'s
+    timeout). All ranks of ``group``, collectively."""
+    return _all_reduce(values, torch.distributed.ReduceOp.MIN, group, what)
 
 
-def all_reduce_sum(values: list[int], group: Any = None) -> list[int]:
-    """The element-wise sum of ``values`` over the ranks of ``group``: one all-reduce.
-    All ranks of ``group``, collectively."""
-    return _all_reduce(values, torch.distributed.ReduceOp.SUM, group)
+def all_reduce_sum(values: list[int], group: Any = None, what: str = "all-reduce") -> list[int]:
+    """The element-wise sum of ``values`` over the ranks of ``group``: one all-reduce (see
+    :func:`all_reduce_min`). All ranks of ``group``, collectively."""
+    return _all_reduce(values, torch.distributed.ReduceOp.SUM, group, what)
 
 
-def _all_reduce(values: list[int], op: Any, group: Any) -> list[int]:
+def _all_reduce(values: list[int], op: Any, group: Any, what: str) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64)
     if torch.cuda.is_available() and torch.distributed.get_backend(group) == "nccl":
         t = t.cuda()
-    torch.distributed.all_reduce(t, op=op, group=group)
+    plane = control.current()
+    if plane is None or group is not None:
+        torch.distributed.all_reduce(t, op=op, group=group)
+    else:
+        plane.run(what, lambda: torch.distributed.all_reduce(t, op=op, async_op=True))
     return [int(x) for x in t.tolist()]
 
 
 def agree_on_iteration(scan: RankLogScan | TieredChain, group: Any = None) -> int:
     """The largest T that every rank's chain reaches: one all-reduce (MIN). All ranks."""
-    return all_reduce_min([scan.last_iteration], group)[0]
+    what = "recovery: the iteration every rank reaches"
+    return all_reduce_min([scan.last_iteration], group, what)[0]
 
 
 @dataclass

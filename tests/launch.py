@@ -335,3 +335,61 @@ def assert_same_state(expected: dict, got: dict, rank: int) -> None:
     for i, (a, b) in enumerate(zip(expected["optimizer"], got["optimizer"], strict=True)):
         for key in OPTIMIZER_STATE:
             assert torch.equal(a[key], b[key]), f"rank {rank}: optimizer entry {i} {key}"
+
+
+def launch_node(
+    args: list[str],
+    env: dict | None = None,
+    keeper_memory: str | None = "64",
+    script: Path = PRETRAIN_GPT,
+) -> tuple[subprocess.Popen, list[str]]:
+    """``megatron-diffckpt-launch`` of 2 ranks of ``script`` with a keeper of
+    ``keeper_memory`` MiB (``None``: none) and one torchrun restart; its output lines,
+    followed."""
+    keeper = ["--keeper-memory", keeper_memory] if keeper_memory else []
+    cmd = [str(LAUNCH), *keeper, "--standalone"]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(script), *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+
+    def follow():
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=follow, daemon=True).start()
+    return proc, lines
+
+
+def wait_logged(lines: list[str], iteration: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not any(re.search(rf"iteration +{iteration}/", line) for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, job_failure(lines)
+        time.sleep(0.01)
+
+
+def job_failure(lines: list[str]) -> str:
+    """What a job that ended early said: every rank's error lines (tracebacks and the lines
+    after them), then its last 40 lines (torchrun's summary)."""
+    said = [
+        "".join(lines[i : i + 12])
+        for i, line in enumerate(lines)
+        if "Traceback" in line or re.search(r"\b\w*Error\b", line)
+    ]
+    return "".join(said[-8:]) + "\n--- last lines ---\n" + "".join(lines[-40:])
+
+
+def last_logged(log: str) -> int:
+    return max(int(i) for i in re.findall(r"iteration +(\d+)/", log))
+
+
+def finish_node(proc: subprocess.Popen, lines: list[str]) -> str:
+    try:
+        assert proc.wait(RUN_TIMEOUT_S) == 0, "".join(lines[-60:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    return "".join(lines)

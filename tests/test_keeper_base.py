@@ -17,7 +17,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from launch import KEPT_BASE_ONLY, assert_same_state, load_dumps, run_cli
+from launch import (
+    KEPT_BASE_ONLY,
+    assert_same_state,
+    finish_node,
+    launch_node,
+    load_dumps,
+    run_cli,
+)
 from test_keeper import (
     ME,
     TwoNodes,
@@ -29,7 +36,7 @@ from test_keeper import (
     start_keeper,
     stopped_then_read,
 )
-from test_keeper_replica import _assert_ends_as_straight, _finish, _keeper_job, _launch
+from test_keeper_replica import _assert_ends_as_straight, _keeper_job
 
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.exchange import ErrorFeedbackResiduals
@@ -384,8 +391,8 @@ def test_ranks_killed_recover_from_the_keepers_without_reading_storage(tmp_path,
         else list(KEPT_BASE_ONLY)
     )
     common, ckpt, diff = _lowdiff_job(tmp_path, 16, *extra)
-    proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
-    log = _finish(proc, lines)
+    proc, lines = launch_node([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
+    log = finish_node(proc, lines)
     restart = log[log.index("failpoint iteration-end #12: SIGKILL of rank 1") :]
     served, replayed = {
         "base": (r"base of iteration 10 from the node's keeper in [\d.]+ s \(", 2),
@@ -444,8 +451,8 @@ def test_a_base_the_keepers_hold_but_storage_never_published_is_recovered(tmp_pa
     up to 10 (a later restart from storage alone gets there too), and ends equal to an
     uninterrupted run."""
     common, ckpt, diff = _lowdiff_job(tmp_path, 14, "--async-save", *KEPT_BASE_ONLY)
-    proc, lines = _launch([*common, *diff], {"DIFFCKPT_FAILPOINT": "base-kept:2@1"})
-    log = _finish(proc, lines)
+    proc, lines = launch_node([*common, *diff], {"DIFFCKPT_FAILPOINT": "base-kept:2@1"})
+    log = finish_node(proc, lines)
     assert "failpoint base-kept #2: SIGKILL of rank 1" in log
     restart = log[log.index("failpoint base-kept") :]
     got = re.search(
@@ -494,10 +501,10 @@ def test_top_k_residuals_come_back_from_the_keepers_base_as_from_storages(tmp_pa
             "--dump-state",
             str(tmp_path / f"{name}-end"),
         ]
-        proc, lines = _launch(
+        proc, lines = launch_node(
             [*common, *diff, *extra], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"}
         )
-        restart = _finish(proc, lines).split("failpoint iteration-end #12")[1]
+        restart = finish_node(proc, lines).split("failpoint iteration-end #12")[1]
         from_keeper = "recovery: base of iteration 10 from the node's keeper" in restart
         assert from_keeper == (name == "keeper"), restart[-3000:]
         from_replica = "recovery: iteration 12 from the replica in the node's keeper" in restart

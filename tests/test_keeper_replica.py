@@ -10,7 +10,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -21,9 +20,18 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from launch import LAUNCH, REPO, RUN_TIMEOUT_S, TINY_GPT, kill_tree, run_cli, run_gpt
+from launch import (
+    RUN_TIMEOUT_S,
+    TINY_GPT,
+    finish_node,
+    kill_tree,
+    last_logged,
+    launch_node,
+    run_cli,
+    run_gpt,
+    wait_logged,
+)
 from test_keeper import (
-    PRETRAIN_GPT,
     TwoNodes,
     _assert_ends_as_straight,
     _ranks_of,
@@ -367,63 +375,13 @@ def _keeper_job(tmp_path: Path, total: int, full_interval: int) -> tuple[list[st
     return common, [*plus, "--dump-state", str(tmp_path / "resumed")]
 
 
-def _launch(args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
-    """The node launcher with a keeper and one torchrun restart; its output lines, followed."""
-    cmd = [str(LAUNCH), "--keeper-memory", "64", "--standalone"]
-    cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(PRETRAIN_GPT), *args]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-
-    def follow():
-        for line in proc.stdout:
-            lines.append(line)
-
-    threading.Thread(target=follow, daemon=True).start()
-    return proc, lines
-
-
-def _wait_logged(lines: list[str], iteration: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not any(re.search(rf"iteration +{iteration}/", line) for line in lines):
-        assert proc.poll() is None and time.monotonic() < deadline, _failure(lines)
-        time.sleep(0.01)
-
-
-def _failure(lines: list[str]) -> str:
-    """What a job that ended early said: every rank's error lines (tracebacks and the lines
-    after them), then its last 40 lines (torchrun's summary)."""
-    said = [
-        "".join(lines[i : i + 12])
-        for i, line in enumerate(lines)
-        if "Traceback" in line or re.search(r"\b\w*Error\b", line)
-    ]
-    return "".join(said[-8:]) + "\n--- last lines ---\n" + "".join(lines[-40:])
-
-
-def _last_logged(log: str) -> int:
-    return max(int(i) for i in re.findall(r"iteration +(\d+)/", log))
-
-
-def _finish(proc: subprocess.Popen, lines: list[str]) -> str:
-    try:
-        assert proc.wait(RUN_TIMEOUT_S) == 0, "".join(lines[-60:])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    time.sleep(0.2)  # the reader thread takes the last lines
-    return "".join(lines)
-
-
 @pytest.mark.distributed
 def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tmp_path):
     """Rank 1 dies before handing iteration 11 over, rank 0 has handed it: the ranks agree on
     10, rank 0's keeper drops what it held of 11, rank 1's merges 10, and no base is read."""
     common, plus = _keeper_job(tmp_path, total=16, full_interval=1000)
-    proc, lines = _launch([*common, *plus], {"DIFFCKPT_FAILPOINT": "plus-hand-over:11@1"})
-    log = _finish(proc, lines)
+    proc, lines = launch_node([*common, *plus], {"DIFFCKPT_FAILPOINT": "plus-hand-over:11@1"})
+    log = finish_node(proc, lines)
     assert "failpoint plus-hand-over #11: SIGKILL of rank 1" in log
     assert "recovery: iteration 10 from the replica in the node's keeper" in log, log[-3000:]
     assert "loaded checkpoint from" not in log  # only base 0 exists; it was not read
@@ -443,16 +401,16 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     """
     common, plus = _keeper_job(tmp_path, total=40, full_interval=5)
     plus += ["--diffckpt-option", "keeper_writes_bases=true"]  # the storage fallback reads them
-    proc, lines = _launch([*common, *plus])
+    proc, lines = launch_node([*common, *plus])
     try:
-        _wait_logged(lines, 11, proc)
+        wait_logged(lines, 11, proc)
         victims = _ranks_of(psutil.Process(proc.pid))
         assert len(victims) == 2, victims
         sock = keeper_socket_in("".join(lines))
         acked = stopped_then_read(victims, lambda: replicas_acknowledged([sock], 2))
         for p in victims:
             p.send_signal(signal.SIGKILL)
-        _wait_logged(lines, 17, proc)
+        wait_logged(lines, 17, proc)
         everything = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
         for p in everything:
             p.send_signal(signal.SIGKILL)
@@ -464,7 +422,7 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     first = "".join(lines)
     got = re.search(r"recovery: iteration (\d+) from the replica in the node's keeper", first)
     assert got is not None, first[-3000:]
-    before = _last_logged(first[: got.start()])
+    before = last_logged(first[: got.start()])
     # nothing the keeper acknowledged is lost; nothing rank 0 did not reach is made up; and
     # every rank had 10 acknowledged once 11 was logged (11's first reduction waited for it)
     assert 10 <= acked <= int(got[1]) <= before + 1, (acked, int(got[1]), before)
@@ -478,8 +436,8 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
     for rank_dir in (tmp_path / "ckpt" / "diffckpt").glob("rank_*"):
         ends = [int(p.name.split("_")[2].split(".")[0]) for p in rank_dir.glob("seg_*.bin")]
         assert max(ends, default=0) >= 12, (rank_dir, sorted(ends))
-    proc, lines = _launch([*common, *plus])
-    log = _finish(proc, lines)
+    proc, lines = launch_node([*common, *plus])
+    log = finish_node(proc, lines)
     assert "recovery: the node keepers hold no replica: recovering from storage" in log
     base = re.search(r"loaded checkpoint from \S+ at iteration (\d+)", log)
     # storage's newest published base (one still being written when the job died is not)
@@ -583,9 +541,9 @@ def test_a_killed_launcher_takes_its_keeper_ranks_and_shared_memory_with_it(tmp_
     ckpt = tmp_path / "ckpt"
     args = [*TINY_GPT, "--use-distributed-optimizer", "--train-iters", "500"]
     args += ["--diffckpt-mode", "lowdiff-plus", "--save", str(ckpt), "--load", str(ckpt)]
-    proc, lines = _launch([*args, "--diffckpt-full-interval", "10"])
+    proc, lines = launch_node([*args, "--diffckpt-full-interval", "10"])
     try:
-        _wait_logged(lines, 3, proc)
+        wait_logged(lines, 3, proc)
         sock = keeper_socket_in("".join(lines))
         shm = Path(shared_memory_root()) / Path(sock).parent.name
         job = psutil.Process(proc.pid).children(recursive=True)

@@ -662,3 +662,28 @@ def test_a_merged_reshardable_state_resumes_under_another_layout(tmp_path, strai
     assert re.search(r"pretrain_gpt_diffckpt.py: error: \S+ was saved under TP=1 PP=1 .*"
                      rf"megatron-diffckpt merge {stock} --iteration {KILL_AFTER} --reshardable",
                      log), log[-3000:]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_write_refused_on_one_rank_stops_megatron_lms_loop_in_one_line_per_rank(
+    tmp_path, straight_runs
+):
+    """Megatron-LM's loop, LowDiff (TP 2, synchronous saves) under the launcher with one
+    torchrun restart: where rank 0's file of base 10 goes, a folder stands (a write refused on
+    one rank). Both ranks stop within seconds in one line naming rank 0 and its error; once
+    the obstacle is gone the restart recovers, and the final checkpoint equals the
+    uninterrupted run's."""
+    from test_faults import stop_then_restart
+
+    gpt = [*GPT, *LAYOUTS["tp2-bf16"][0].split()]
+    straight, _ = straight_runs("tp2-bf16")
+    ckpt = tmp_path / "ckpt"
+    args = [*gpt, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
+    args += ["--diffckpt-mode", "lowdiff", "--train-iters", str(TOTAL)]
+    blocker = ckpt / "iter_0000010" / "__0_0.distcp"
+    stop_then_restart(
+        args, lambda _pid: blocker.mkdir(parents=True), lambda: shutil.rmtree(blocker.parent),
+        script=SCRIPT,
+    )  # fmt: skip
+    final = f"iter_{TOTAL:07d}"
+    _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")

@@ -375,13 +375,18 @@ def _dump_dir(args, iteration: int) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
+    from megatron_diffckpt.control import stop_others
     from megatron_diffckpt.errors import DiffCkptError
 
     try:
         return train(args)
     except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
+        stop_others(exc)
         logger.error("pretrain_gpt.py: error: %s", exc)
         return 2
+    except Exception as exc:  # a failure of this rank's alone: the others stop too
+        stop_others(exc)
+        raise
 
 
 def train(args) -> int:

@@ -90,6 +90,7 @@ def main() -> None:
     sys.path.append(checkout)
     from importlib.metadata import version
 
+    from megatron_diffckpt.control import stop_others
     from megatron_diffckpt.errors import DiffCkptError
     from megatron_diffckpt.integrations import megatron_lm
     from megatron_diffckpt.patches import torch_adam_state
@@ -167,8 +168,12 @@ def main() -> None:
             megatron_lm.RUN.close()
         raise
     except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
+        stop_others(exc)
         print(f"pretrain_gpt_diffckpt.py: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as exc:  # a failure of this rank's alone: the others stop too
+        stop_others(exc)
+        raise
     # On an error, a rank does not close: closing may be collective, and the other ranks may
     # never get there. What is durable stays durable; the writer's pending batch is lost.
     megatron_lm.RUN.close()

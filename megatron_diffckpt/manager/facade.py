@@ -43,6 +43,7 @@ from megatron_diffckpt.background import children_die_with_this_process
 from megatron_diffckpt.base_space import BaseSpace
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig, KeeperPlan
+from megatron_diffckpt.control import JobControl
 from megatron_diffckpt.keeper.base_stager import BaseStager
 from megatron_diffckpt.keeper.client import KeeperClient
 from megatron_diffckpt.keeper.logs import KeeperLogWriter
@@ -125,6 +126,7 @@ class DiffCheckpointManager:
         self._published: dict[int, float] = {}  # base iteration -> when it was published
         self._published_bases: list[int] = []
         self.recovered: Recovered | None = None
+        self.control: JobControl | None = None  # started by recover() or start()
         """What :meth:`recover` did (``None``: a fresh start)."""
         self._ended: tuple[int, int, int] | None = None  # (iteration, scheduler steps, consumed)
         self._shard_maps = ShardMapRecorder(self.rank_dir, config.when_full)
@@ -179,6 +181,7 @@ class DiffCheckpointManager:
         its ``scheduler_steps`` and ``consumed_samples`` are ``None`` when nothing was replayed
         onto the loaded base (the base's own values stand).
         """
+        self._control()
         got = self.tiers.from_keepers(storage_base, loaded=load_base is None)
         if got is None:
             start = time.perf_counter()
@@ -186,6 +189,13 @@ class DiffCheckpointManager:
             got = self.tiers.from_storage(base or 0, base_load_s + time.perf_counter() - start)
         self.recovered = got
         return got
+
+    def _control(self) -> JobControl:
+        """This attempt's control plane (:mod:`megatron_diffckpt.control`), started at the
+        first call. All ranks, collectively."""
+        if self.control is None:
+            self.control = JobControl.start(self.config.options.collective_timeout)
+        return self.control
 
     def record_shard_map(
         self, make_sharded_state_dict: Callable[[], dict], parallel: tuple[int, int, int]
@@ -233,6 +243,7 @@ class DiffCheckpointManager:
 
         With ``--diffckpt-auto-tune``, F and the write batch B then change at run time.
         """
+        self._control()
         self.full_interval = full_interval
         self._last_base = iteration
         # A job that starts without a base to recover from (from scratch) has no recoverable
@@ -312,7 +323,7 @@ class DiffCheckpointManager:
                 self.writer,
                 self.rng_tracker,
                 trace_path=trace,
-                on_base_failed=self.base_failed,
+                agree_on_base=self.agree_on_base,
                 keeper=self.keeper if in_keeper else None,
                 keeper_log=keeper_log,
                 keeper_writes_bases=self.plan.writes_bases,
@@ -388,13 +399,15 @@ class DiffCheckpointManager:
         waited = base_checkpoint.wait_for_writer()
         if not self._base_fits(iteration):
             return time.perf_counter() - start
+        blocked, error = 0.0, None
         try:
             blocked = waited + self.strategy.save_base(iteration, save)
             if first:  # a job's starting point is published before its first iteration
                 self.strategy.finish_bases()
                 blocked = time.perf_counter() - start
-        except out_of_space.SAVE_FAILURES as exc:
-            self.base_failed(iteration, exc)
+        except out_of_space.SAVE_FAILURES as exc:  # agreed on with every rank below
+            error = exc
+        if not self.agree_on_base(iteration, "save", error):
             return time.perf_counter() - start
         if self._kept is not None:
             blocked += self._kept.stage(iteration, self._ended)
@@ -404,7 +417,9 @@ class DiffCheckpointManager:
     def _base_fits(self, iteration: int) -> bool:
         """Whether a base of ``iteration`` fits in the space left under ``--save`` (see
         :meth:`BaseSpace.fits`); if not, it is given up. All ranks, collectively."""
-        floor = recovery.all_reduce_sum([base_floor_bytes(self.optimizer, self.writer)])[0]
+        floor = recovery.all_reduce_sum(
+            [base_floor_bytes(self.optimizer, self.writer)], what=f"base {iteration}: its size"
+        )[0]
         reason = self.space.fits(floor)
         if reason is None:
             return True
@@ -412,15 +427,35 @@ class DiffCheckpointManager:
         return False
 
     def base_failed(self, iteration: int, exc: BaseException) -> None:
-        """The save or the finalize step of the base of ``iteration`` raised ``exc`` on every rank
-        (megatron reports a failed save on all ranks together). All ranks, collectively.
+        """The finalize step of the base of ``iteration`` raised ``exc`` on this rank: agreed
+        on with the others, which reach the same exchange in :meth:`on_base_published` (or
+        theirs failed too), by :meth:`agree_on_base`'s rules. All ranks, collectively."""
+        self.agree_on_base(iteration, "finalize", exc)
+
+    def agree_on_base(self, iteration: int, step: str, error: BaseException | None) -> bool:
+        """Whether the ``step`` (``save`` or ``finalize``) of the base of ``iteration``
+        succeeded on every rank; ``error``: this rank's failure. One exchange every rank
+        reaches, failed or not, before any acts (:meth:`JobControl.agree
+        <megatron_diffckpt.control.JobControl.agree>`).
 
         When storage is full on any rank: with ``--diffckpt-when-full skip`` the base is given
-        up with one warning per incident (its partial folder removed; the newest published base
-        and the diff log stand, and bases resume once there is space); with ``block`` the job
-        stops with :class:`~megatron_diffckpt.out_of_space.StorageFullError`. Any other error is
-        raised again."""
-        self._give_up_base(iteration, self.space.full_reason(iteration, exc))
+        up with one warning per incident (its partial folder removed; the newest published
+        base and the diff log stand, and bases resume once there is space): ``False``; with
+        ``block`` the job stops with :class:`~megatron_diffckpt.out_of_space.StorageFullError`.
+        Any other failure on any rank stops every rank with
+        :class:`~megatron_diffckpt.control.JobFault`, in one line naming the first failed rank
+        and its cause; a failed rank whose peers do not come to the exchange (they wait in a
+        collective of megatron's it left) stops the job after
+        :data:`~megatron_diffckpt.control.FAILED_WAIT_S`. All ranks, collectively."""
+        what = f"base {iteration}: {step}"
+        reason = self.space.full_reason(iteration, error) if error is not None else None
+        agreed = self._control().agree(what, error, full=reason is not None)
+        if not agreed.failed:
+            return True
+        if not agreed.full:
+            self._control().stop_agreed(what, agreed, error)
+        self._give_up_base(iteration, reason or "storage is full on another rank")
+        return False
 
     def _give_up_base(self, iteration: int, reason: str) -> None:
         """Base ``iteration`` cannot be written (:meth:`BaseSpace.give_up`); the next try comes
@@ -452,7 +487,10 @@ class DiffCheckpointManager:
 
     def on_base_published(self, iteration: int) -> None:
         """A base of ``iteration`` is published: durability counts from it, and retention applies.
-        All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials)."""
+        All ranks, after the tracker moved (rank 0 prunes bases, every rank its differentials),
+        once every rank's finalize step agreed it succeeded (:meth:`agree_on_base`)."""
+        if not self.agree_on_base(iteration, "finalize", None):
+            return
         self._published_bases.append(iteration)
         self.space.published(iteration)
         if self.writer is not None:
@@ -518,3 +556,5 @@ class DiffCheckpointManager:
             self._kept.wait()
         if self.keeper is not None:
             self.keeper.close()
+        if self.control is not None:
+            self.control.close()

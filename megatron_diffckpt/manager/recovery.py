@@ -348,7 +348,7 @@ class TieredRecovery:
         resuming from the base alone would silently drop them."""
         foreign = scan.foreign
         mine = foreign is not None and foreign.run_id == self.identity.run_id
-        if recovery.all_reduce_min([0 if mine else 1])[0] == 1:
+        if recovery.all_reduce_min([0 if mine else 1], what="recovery: a keeper's copy?")[0] == 1:
             return
         where = f" (this rank's log holds {foreign})" if mine else ""
         raise DiffCkptUsageError(

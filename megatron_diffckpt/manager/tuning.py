@@ -58,7 +58,9 @@ def retune(
 ) -> int:
     """Agree on the ranks' proposals (MIN of F and of B) and adopt them: the writer's batch,
     the strategy's diff log; returns the new F. All ranks, collectively."""
-    proposed_f, batch_size, log = recovery.all_reduce_min(list(tuner.propose(iteration)))
+    proposed_f, batch_size, log = recovery.all_reduce_min(
+        list(tuner.propose(iteration)), what="auto-tuning: F and B"
+    )
     diff_log = bool(log) and tuner.diff_log
     current_b = writer.batch_size if writer is not None else batch_size
     if (proposed_f, batch_size, diff_log) != (full_interval, current_b, tuner.diff_log):

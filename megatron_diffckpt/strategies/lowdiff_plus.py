@@ -94,8 +94,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         writer: the diff log, or ``None`` to persist bases only.
         rng_tracker: megatron's RNG tracker (for the differentials' RNG states).
         trace_path: where :meth:`close` writes the recent iterations' snapshot trace (JSON).
-        on_base_failed: ``(iteration, exc)``, all ranks together, when a base's finalize step
-            raised on every rank (a full disk); it re-raises what it does not handle.
+        agree_on_base: ``(iteration, step, error) -> bool``, all ranks together, after a
+            base's write (``error``: this rank's persister failed, or ``None``) and when its
+            finalize step raised: every rank's outcome agreed, ``False`` when the base is
+            skipped (a full disk); it stops the job for what it does not skip
+            (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.agree_on_base`).
         keeper: the node's keeper client when the replica and its merger live there
             (:mod:`~megatron_diffckpt.keeper.replicas`; one more snapshot slot, in shared memory).
         keeper_log: with ``keeper``, the settings of the diff log the keeper writes from its
@@ -115,7 +118,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         writer: DiffLogWriter | None,
         rng_tracker: Any,
         trace_path: str | None = None,
-        on_base_failed: Callable[[int, BaseException], None] | None = None,
+        agree_on_base: Callable[[int, str, BaseException | None], bool] | None = None,
         keeper: Any = None,
         keeper_log: dict[str, Any] | None = None,
         keeper_writes_bases: bool = False,
@@ -126,7 +129,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             )
         self.optimizer = optimizer
         self.trace_path = trace_path
-        self.on_base_failed = on_base_failed
+        self.agree_on_base = agree_on_base
         self.model_chunks = model_chunks
         self.rng_tracker = rng_tracker
         self.writer = writer
@@ -353,17 +356,23 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         iteration, future, finalize = self._persist
         if block:
             future.exception()  # wait
-        done = recovery.all_reduce_min([int(future.done())])[0]
-        if not done:
+        what = f"LowDiff+: base {iteration} written?"
+        if not recovery.all_reduce_min([int(future.done())], what=what)[0]:
             return
-        written_s = future.result()  # raises the persister thread's error, if any
         self._persist = None
+        error = future.exception()  # the persister thread's, on this rank
+        if self.agree_on_base is None:
+            written_s = future.result()
+        elif self.agree_on_base(iteration, "write", error):
+            written_s = future.result()
+        else:
+            return  # skipped: storage is full (--diffckpt-when-full skip)
         try:
             finalize()  # megatron raises a failed write here, on every rank
         except out_of_space.SAVE_FAILURES as exc:
-            if self.on_base_failed is None:
+            if self.agree_on_base is None:
                 raise
-            self.on_base_failed(iteration, exc)
+            self.agree_on_base(iteration, "finalize", exc)
             return
         handed = self._handed is not None and self._handed.last_in_keeper
         logger.info(

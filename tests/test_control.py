@@ -1,0 +1,120 @@
+"""The job's control plane (:mod:`megatron_diffckpt.control`) on 2 real processes (gloo, a TCP
+store as torchrun's): a collective a rank never reaches times out naming it and where it was; the
+ranks agree on a failure (skippable for space, else every rank stops with the failed rank's
+line); a failed rank whose peer waits elsewhere stops the job; a rank that waits elsewhere is
+stopped by its watcher (exit :data:`~megatron_diffckpt.control.FAULT_EXIT`) in one line."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_diffckpt import control, recovery
+from megatron_diffckpt.control import FAULT_EXIT, JobControl, JobFault
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, out: str, scenario: str) -> None:
+    logging.basicConfig(
+        filename=f"{out}/rank{rank}.log", level=logging.INFO, format="%(message)s", force=True
+    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    control.FAILED_WAIT_S = 2.0
+    plane = JobControl.start(timeout_s=3.0)
+    result: dict = {}
+    try:
+        recovery.all_reduce_min([rank], what="first")
+        if scenario == "late":
+            if rank == 1:
+                time.sleep(30)  # waits elsewhere: its watcher stops it
+            recovery.all_reduce_min([rank], what="second")
+        else:
+            failing = 0 if scenario == "stuck" else 1
+            error = None
+            if rank == failing and scenario != "ok":
+                full = scenario == "full"
+                error = OSError(errno.ENOSPC, "No space left") if full else ValueError("boom")
+            if scenario == "stuck" and rank == 1:
+                time.sleep(30)  # never comes to the exchange: its watcher stops it
+            agreed = plane.agree("base 5: save", error, full=scenario == "full" and rank == 1)
+            result["agreed"] = [agreed.failed, agreed.full, agreed.first]
+            if agreed.failed and not agreed.full:
+                plane.stop_agreed("base 5: save", agreed, error)
+    except JobFault as exc:
+        result["fault"] = str(exc)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    plane.close()
+
+
+def _run(tmp_path: Path, scenario: str) -> tuple[list[dict | None], list[int], list[str]]:
+    """Each rank's result (``None``: it wrote none), exit code and log."""
+    ctx = mp.get_context("spawn")
+    port = _port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), scenario)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    results = [
+        json.loads(f.read_text()) if (f := tmp_path / f"rank{r}.json").exists() else None
+        for r in (0, 1)
+    ]
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in (0, 1)]
+    return results, codes, logs
+
+
+@pytest.mark.distributed
+def test_a_collective_a_rank_never_reaches_times_out_naming_it_and_stops_it(tmp_path):
+    (r0, r1), codes, logs = _run(tmp_path, "late")
+    assert r0 == {
+        "fault": "rank 0: the collective 'second' timed out after 3 s; not arrived: rank 1 "
+        "(last at 'first'); the job stops"
+    }, r0
+    assert r1 is None and codes == [0, FAULT_EXIT], (r1, codes)
+    assert logs[1].strip().splitlines() == [f"stopping: {r0['fault']}"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("scenario", "expected"),
+    [
+        ("ok", {"agreed": [False, False, None]}),
+        ("full", {"agreed": [True, True, 1]}),
+        ("error", {"agreed": [True, False, 1],
+                   "fault": "rank 1: base 5: save: ValueError: boom; the job stops"}),
+    ],
+)  # fmt: skip
+def test_the_ranks_agree_on_a_base_that_failed_on_one_of_them(tmp_path, scenario, expected):
+    results, codes, _ = _run(tmp_path, scenario)
+    assert results == [expected, expected] and codes == [0, 0], (results, codes)
+
+
+@pytest.mark.distributed
+def test_a_failed_rank_whose_peer_waits_elsewhere_stops_the_job(tmp_path):
+    """Rank 0's save failed, rank 1 never comes to the exchange (it waits in megatron's save):
+    rank 0 stops the job after FAILED_WAIT_S, naming its error and rank 1; rank 1's watcher
+    stops it with the same line."""
+    (r0, r1), codes, logs = _run(tmp_path, "stuck")
+    line = (
+        "rank 0: base 5: save: ValueError: boom; not at the exchange: rank 1 (last at 'first'); "
+        "the job stops"
+    )
+    assert r0 == {"fault": line} and r1 is None and codes == [0, FAULT_EXIT], (r0, r1, codes)
+    assert logs[1].strip().splitlines() == [f"stopping: {line}"]
