@@ -9,9 +9,11 @@ collectives are doing):
 
 - **The fault board.** A rank that cannot go on posts one line, ``rank R: what: cause``
   (:meth:`JobControl.fail`); the first post wins. Every rank runs a watcher thread that polls
-  the board (:data:`WATCH_POLL_S`); a rank that sees another's fault logs the line and exits
-  (:data:`FAULT_EXIT`) at once, wherever its main thread waits (inside megatron's save
-  barrier, say). torchrun (or Slurm's requeue) then restarts the job, which recovers exactly.
+  the board (:data:`WATCH_POLL_S`); a rank that sees another's fault and has not stopped by
+  itself :data:`STOP_GRACE_S` later (an error every rank raises together ends each in its own
+  line) logs the line and exits (:data:`FAULT_EXIT`), wherever its main thread waits (inside
+  megatron's save barrier, say). torchrun (or Slurm's requeue) then restarts the job, which
+  recovers exactly.
 - **Outcomes agreed before anyone acts** (:meth:`JobControl.agree`): the ranks that succeeded
   and the ranks that failed reach one exchange (ok, or which rank failed and whether for want
   of space), so that every rank takes the same decision: go on, skip a base
@@ -57,6 +59,14 @@ WATCH_POLL_S = 1.0
 FAILED_WAIT_S = 10.0
 """How long a rank whose work failed waits for the others in :meth:`JobControl.agree` before it
 stops the job (the others are then stuck in a collective of megatron's that it left)."""
+
+STOP_GRACE_S = 3.0
+"""How long a rank's watcher, having read another rank's fault, leaves the rank to stop by
+itself before it stops it."""
+
+SAY_FIRST_S = 0.5
+"""How long the other ranks leave a failed rank, in :meth:`JobControl.stop_agreed`, to say why
+before they stop (once one rank exits, torchrun stops the others)."""
 
 ACK_WAIT_S = 5.0
 """How long a failing rank waits for the others to have read its fault before it exits (the
@@ -173,19 +183,23 @@ class JobControl:
             return line
 
     def fail(self, what: str, cause: BaseException | str) -> NoReturn:
-        """This rank cannot go on: post ``rank R: what: cause`` (unless another fault is there),
-        wait up to :data:`ACK_WAIT_S` for the other ranks to have read it, and raise
-        :class:`JobFault` with the board's line. Any rank."""
+        """This rank cannot go on: post ``rank R: what: cause`` and raise :class:`JobFault`
+        with the board's line. When this rank's post is the board's, it first waits (at most
+        :data:`ACK_WAIT_S`) until every other rank read it: the job's store may live in this
+        process. Any rank."""
         text = cause if isinstance(cause, str) else describe(cause)
-        line = self.post(f"rank {self.rank}: {what}: {text}; the job stops")
-        deadline = time.monotonic() + ACK_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                if int(self.store.add(f"{self.prefix}/fault-read", 0)) >= self.world - 1:
+        mine = f"rank {self.rank}: {what}: {text}; the job stops"
+        self._raised = True  # this rank stops itself: its watcher leaves it alone
+        line = self.post(mine)
+        if line == mine:
+            deadline = time.monotonic() + ACK_WAIT_S
+            while time.monotonic() < deadline:
+                try:
+                    if int(self.store.add(f"{self.prefix}/fault-read", 0)) >= self.world - 1:
+                        break
+                except (RuntimeError, OSError):
                     break
-            except (RuntimeError, OSError):
-                break
-            time.sleep(0.05)
+                time.sleep(0.05)
         self._raise(line)
 
     def _raise(self, line: str, kind: type[JobFault] = JobFault) -> NoReturn:
@@ -198,6 +212,10 @@ class JobControl:
             if line is None or line.startswith(f"rank {self.rank}: ") or self._raised:
                 continue
             self._acknowledge()
+            # An error every rank raises together (a full disk under block) ends this rank by
+            # itself, in its own line: the watcher stops only a rank that does not.
+            if self._stop.wait(STOP_GRACE_S) or self._raised:
+                return
             logger.error("stopping: %s", line)
             for handler in logging.getLogger().handlers:
                 handler.flush()
@@ -316,6 +334,7 @@ class JobControl:
                 break
             time.sleep(0.05)
         self._acknowledge()
+        time.sleep(SAY_FIRST_S)  # the failed rank says it first (torchrun stops the rest)
         self._raise(line)
 
 
