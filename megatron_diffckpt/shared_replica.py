@@ -8,6 +8,11 @@ mapped shared (:func:`map_tensor`), so that writes by one process are seen by th
 creates the files (:class:`SharedArena`); :mod:`~megatron_diffckpt.keeper.replicas` is the
 keeper's side, :mod:`~megatron_diffckpt.keeper.replica_client` the rank's.
 
+A copy that another process will read back (a kept base, a copy for the next node's keeper,
+a replica at rest) is *sealed*: its spec carries ``"sum"``, the :func:`checksum` of its bytes when
+it was made, and the reader checks it before using the copy (:func:`damaged_file`): a copy
+damaged in memory (a flipped bit in ``/dev/shm``) is refused, never loaded into training.
+
 Any process, any thread; nothing here talks to another process.
 """
 
@@ -69,6 +74,35 @@ def create_tensor(spec: dict[str, Any]) -> torch.Tensor:
     return map_tensor(spec)
 
 
+def checksum(tensor: torch.Tensor) -> int:
+    """A 64-bit checksum of ``tensor``'s bytes: the wrapped sum of them read as little-endian
+    64-bit words (the last one zero-padded), computed by torch at memory speed. It detects any
+    damage confined to one word (a flipped bit or byte, a torn word) and random damage with
+    probability 1 - 2**-64; it is no defence against a deliberate change."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    whole = flat.numel() // 8 * 8
+    total = int(flat[:whole].view(torch.int64).sum()) if whole else 0
+    if whole < flat.numel():
+        tail = flat[whole:].numpy().tobytes().ljust(8, b"\0")
+        total += int.from_bytes(tail, "little", signed=True)
+    return total & (2**64 - 1)
+
+
+def seal(spec: dict[str, Any], tensor: torch.Tensor) -> dict[str, Any]:
+    """``spec`` with ``"sum"``: the :func:`checksum` of ``tensor``, its tensor as made."""
+    spec["sum"] = checksum(tensor)
+    return spec
+
+
+def damaged_file(specs: Iterable[dict[str, Any]]) -> str:
+    """The file of the first sealed spec of ``specs`` whose bytes no longer have the checksum
+    they were sealed with (``""``: none). Reads every sealed file once."""
+    for spec in specs:
+        if "sum" in spec and "file" in spec and checksum(map_tensor(spec)) != spec["sum"]:
+            return spec["file"]
+    return ""
+
+
 class SharedArena:
     """Tensors this rank creates in files of the keeper's shared-memory folder.
 
@@ -80,8 +114,10 @@ class SharedArena:
 
     _count = itertools.count(1)
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, sealed: bool = False):
         self.folder = folder
+        self.sealed = sealed
+        """Seal each :meth:`copy` (:func:`seal`): for copies that never change (a kept base)."""
         self.specs: dict[int, dict[str, Any]] = {}  # id(tensor) -> its spec
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -100,6 +136,8 @@ class SharedArena:
         """A shared copy of ``source`` (a replica allocator)."""
         tensor = self.empty(tuple(source.shape), source.dtype)
         tensor.copy_(source.detach())
+        if self.sealed:
+            seal(self.specs[id(tensor)], tensor)
         return tensor
 
     def spec(self, tensor: torch.Tensor) -> dict[str, Any]:

@@ -21,9 +21,11 @@ from launch import (
     KEPT_BASE_ONLY,
     assert_same_state,
     finish_node,
+    kill_tree,
     launch_node,
     load_dumps,
     run_cli,
+    wait_logged,
 )
 from test_keeper import (
     ME,
@@ -31,6 +33,7 @@ from test_keeper import (
     _ranks_of,
     _wait_for,
     chains_acknowledged,
+    keeper_socket_in,
     record,
     replicas_acknowledged,
     start_keeper,
@@ -43,6 +46,7 @@ from megatron_diffckpt.exchange import ErrorFeedbackResiduals
 from megatron_diffckpt.keeper import base_stager
 from megatron_diffckpt.keeper.client import KeeperClient, query, stop
 from megatron_diffckpt.keeper.replicas import HostedReplica
+from megatron_diffckpt.keeper.shm import shared_memory_root
 from megatron_diffckpt.replica_merger import replica_of
 from megatron_diffckpt.shared_replica import SharedArena, describe
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
@@ -408,6 +412,68 @@ def test_ranks_killed_recover_from_the_keepers_without_reading_storage(tmp_path,
     for rank_dir in (ckpt / "diffckpt").glob("rank_*"):  # 11-12 were the keepers' alone
         assert {11, 12} <= _covered(rank_dir), rank_dir.name
     _assert_ends_as_straight(tmp_path, 12)
+
+
+def flip_a_byte_in_the_middle(path: Path) -> None:
+    """Damage ``path`` as a memory fault would: one byte in its middle inverted, in place."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+DAMAGED = {  # the copy each job recovers from, and the line that refuses it once damaged
+    "kept-base": r"the base of iteration 10 in the node's keeper is damaged",
+    "lowdiff-replica": r"recovery: the replica of iteration 12 in the node's keeper is damaged",
+    "lowdiff-plus-replica": r"recovery: the replica of iteration \d+ in the node's keeper is "
+    r"damaged",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("copy", sorted(DAMAGED))
+def test_a_copy_damaged_in_the_keepers_memory_is_refused_and_the_next_tier_serves(tmp_path, copy):
+    """Bases every 5 under a keeper holding a kept base (LowDiff), LowDiff's replica, or
+    LowDiff+'s replica: after iteration 12 both ranks are stopped, one byte is flipped in the
+    middle of every file of the keeper's shared-memory folder, then the ranks are SIGKILLed.
+    The restart finds the copy damaged (its checksum, written when it was made or by the
+    keeper's last step), says so in one warning per rank and copy, recovers from the next
+    tier (storage's base and diff log), and the run ends equal to an uninterrupted one."""
+    if copy == "lowdiff-plus-replica":
+        common, plus = _keeper_job(tmp_path, total=16, full_interval=5)
+        args = [*common, *plus]
+    else:
+        options = ["--diffckpt-option", "keeper_writes_log=false"]
+        common, _, diff = _lowdiff_job(
+            tmp_path, 16, *(KEPT_BASE_ONLY if copy == "kept-base" else options)
+        )
+        args = [*common, *diff]
+    proc, lines = launch_node(args)
+    try:
+        wait_logged(lines, 12, proc)
+        shm = Path(shared_memory_root()) / Path(keeper_socket_in("".join(lines))).parent.name
+        ranks = _ranks_of(psutil.Process(proc.pid))
+
+        def damage() -> list[Path]:
+            files = [f for f in shm.iterdir() if f.is_file() and f.stat().st_size >= 8]
+            for f in files:
+                flip_a_byte_in_the_middle(f)
+            return files
+
+        assert stopped_then_read(ranks, damage)
+        TwoNodes.kill(ranks)
+        log = finish_node(proc, lines)
+    finally:
+        kill_tree(proc)
+    refused = re.findall(DAMAGED[copy], log)
+    assert 1 <= len(refused) <= 2, log[-3000:]  # once per rank
+    restart = log[log.index("is damaged") :]
+    assert "nothing replayed" not in restart  # no replica served
+    assert not re.search(r"recovery: base of iteration \d+ from", restart)  # nor a kept base
+    assert "loaded checkpoint from" in restart  # storage's base instead
+    (recovered,) = map(int, re.findall(r"\[rank0\] \S+ recovered to iteration (\d+)", log))
+    _assert_ends_as_straight(tmp_path, recovered)
 
 
 def test_the_keepers_replica_steps_each_differential_one_behind_as_a_replay_would(tmp_path):

@@ -23,9 +23,11 @@ from megatron_diffckpt.replica_merger import replica_of
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
+    damaged_file,
     describe,
     map_tensor,
     remove_files,
+    specs_of,
 )
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
 
@@ -64,7 +66,7 @@ class BaseStager:
         dense exchange). The training thread, between the base's save and the next step."""
         self.wait()
         started = time.perf_counter()
-        arena = SharedArena(self.client.shm_folder())
+        arena = SharedArena(self.client.shm_folder(), sealed=True)  # checked when loaded
         tensors = residuals.tensors() if residuals is not None else {}
         try:
             kept_residuals = {k: arena.spec(arena.copy(v)) for k, v in tensors.items()}
@@ -171,10 +173,21 @@ def offered_bases(client: Any) -> OfferedBases:
     records = {r.iteration: r for r in iter_records(io.BytesIO(reply[1]))}
     offered = {}
     for row in reply[0]["bases"]:
-        lost = missing_file(KeptBase(row["iteration"], row["optimizers"], row["residuals"], b""))
+        base = KeptBase(row["iteration"], row["optimizers"], row["residuals"], b"")
+        lost = missing_file(base)
         if lost:  # never mapped: mapping a missing file would create it, zeroed
             logger.warning("keeper: the base of iteration %d lost a file (%s)", row["iteration"],
                            lost)  # fmt: skip
+            continue
+        damaged = damaged_file(specs_of(base.optimizers, base.slots))
+        if damaged:  # a copy damaged in memory is never loaded: the next tier serves
+            logger.warning(
+                "keeper: the base of iteration %d in %s is damaged (%s does not have the "
+                "checksum it was made with): not used",
+                row["iteration"],
+                row.get("tier", "the node's keeper"),
+                damaged,
+            )
         elif row["iteration"] in records:
             offered[row["iteration"]] = (row, records[row["iteration"]])
     return OfferedBases(offered)

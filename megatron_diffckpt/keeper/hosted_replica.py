@@ -28,8 +28,11 @@ from megatron_diffckpt.replica_merger import (
 )
 from megatron_diffckpt.shared_replica import (
     build,
+    checksum,
+    damaged_file,
     files_of,
     nbytes_of,
+    specs_of,
     tensor_from,
     tensors_of,
 )
@@ -149,6 +152,30 @@ class HostedReplica:
         copy has none)."""
         self.cpu = CpuMeter()
         self.lock = threading.Lock()
+        self.sums: list[int] = []
+        """The checksum of each of its tensors (in :meth:`sealed_specs` order) as its last step
+        left them: a recovery checks the files against them before loading them (a replica
+        damaged in memory is never loaded)."""
+        self._seal()
+
+    def sealed_specs(self) -> list[dict[str, Any]]:
+        """The specs :attr:`sums` covers: parameters and optimizer states, and LowDiff's
+        error-feedback residuals (not LowDiff+'s snapshot slots: input, not state)."""
+        return list(specs_of(self.description, [self.residuals] if self.residuals else []))
+
+    def damaged(self) -> str:
+        """The first file of the replica whose bytes no longer have the checksum its last step
+        left (``""``: none): damage since then, in memory."""
+        specs = [{**spec, "sum": s} for spec, s in zip(self.sealed_specs(), self.sums, strict=True)]
+        with self.cpu.measure("checksum"):
+            return damaged_file(specs)
+
+    def _seal(self) -> None:
+        with self.cpu.measure("checksum"):
+            tensors = list(tensors_of(self.description, self.optimizers))
+            if self.residuals:
+                tensors += [self.slots[0][k] for k in self.residuals]
+            self.sums = [checksum(t) for t in tensors]
 
     def take(self, request: dict[str, Any], record: bytes) -> list[int]:
         """Hold the iteration ``request`` hands over, after merging the one held before; the
@@ -209,6 +236,7 @@ class HostedReplica:
         if held.differential is not None:
             self._step_differential(held.differential)
             self.merged, self.record = held.iteration, held.record
+            self._seal()
             return []
         log = self.log
         if not held.inputs.skipped:
@@ -219,6 +247,7 @@ class HostedReplica:
                 held.iteration, self.cpu, log.capture.on_ready_grads if log else None,
             )  # fmt: skip
         self.merged, self.record = held.iteration, held.record
+        self._seal()
         if log is not None:
             with self.cpu.measure("diff log record"):
                 log.append(held.iteration, held.record)

@@ -29,9 +29,11 @@ from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
+    damaged_file,
     describe,
     initial_adam_state,
     map_tensor,
+    specs_of,
 )
 from megatron_diffckpt.snapshot import BucketSnapshotter, SnapshotSlot
 from megatron_diffckpt.storage.format import DiffRecord, encode_record, iter_records
@@ -222,6 +224,15 @@ def load_replica(
                         state[k] = v.to(device, copy=True)
 
 
+def _sealed(held: dict[str, Any], sums: list[int]) -> list[dict[str, Any]]:
+    """The specs of the replica ``held`` describes, each with the checksum its keeper's last
+    step left (:meth:`~megatron_diffckpt.keeper.hosted_replica.HostedReplica.sealed_specs`
+    order)."""
+    residuals = [held["residuals"]] if held.get("residuals") else []
+    specs = list(specs_of(held["optimizers"], residuals))
+    return [{**spec, "sum": s} for spec, s in zip(specs, sums, strict=True)]
+
+
 def recover_from_keepers(
     client: Any,
     torch_optimizers: list[torch.optim.Optimizer | None],
@@ -271,6 +282,22 @@ def recover_from_keepers(
     settled = client.call({"op": Op.REPLICA_SETTLE, "iteration": target})
     if settled is None or "error" in settled[0]:
         raise RuntimeError(f"the node's keeper could not settle at {target}: {settled}")
+    damaged = settled[0].get("damaged") or damaged_file(_sealed(held, settled[0]["sums"]))
+    if not all_reduce_min([0 if damaged else 1], what="recovery: every replica intact?")[0]:
+        if damaged:  # a replica damaged in memory is never loaded: the next tier serves
+            logger.warning(
+                "recovery: the replica of iteration %d in %s is damaged (%s does not have the "
+                "checksum the keeper's last step left): not used; recovering from %s",
+                target,
+                held["tier"],
+                damaged,
+                fallback,
+            )
+        else:
+            logger.info(
+                "recovery: another rank's keeper replica is damaged: recovering from %s", fallback
+            )
+        return None
     replicas = build(held["optimizers"])
     load_replica(torch_optimizers, replicas)
     if residuals is not None and held.get("residuals"):

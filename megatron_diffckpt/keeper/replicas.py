@@ -157,6 +157,9 @@ class HostedReplicas:
         elif op == Op.REPLICA_FLUSH:
             released = replica.flush(int(req["through"]))
         elif op == Op.REPLICA_SETTLE:
+            damaged = replica.damaged()  # before the held iteration's step takes it in
+            if damaged:
+                return {"damaged": damaged}, b""
             released = replica.settle(int(req["iteration"]))
         elif op == Op.REPLICA_STATE:
             low, high = replica.offer()
@@ -166,13 +169,16 @@ class HostedReplicas:
             return {"replica": doc}, records
         else:
             return {"error": f"unknown request {op!r}"}, b""
-        return {
+        reply = {
             "released": released,
             "merged": replica.merged,
             "merge_s": time.perf_counter() - start,
             "cpu": replica.cpu_totals(),
             "durable": replica.log.writer.durable_iteration if replica.log else None,
-        }, b""
+        }
+        if op == Op.REPLICA_SETTLE:  # what a recovery checks the files against
+            reply["sums"] = replica.sums
+        return reply, b""
 
     def _open(self, key: tuple, req: dict, payload: bytearray) -> dict:
         with self._lock:

@@ -122,6 +122,8 @@ class Parts:
     def _add_file(self, path: str, spec: dict[str, Any]) -> dict[str, Any]:
         n = tensor_nbytes(spec)
         placed = {"shape": list(spec["shape"]), "dtype": spec["dtype"], "offset": self.nbytes}
+        if "sum" in spec:  # a sealed file's checksum travels with it, checked where it is used
+            placed["sum"] = spec["sum"]
         if n:
             self._items.append((path, n))
             self.nbytes += n
