@@ -38,6 +38,8 @@ _DTYPES = {
         torch.uint8,
     )  # fmt: skip
 }
+DTYPE_NAMES = frozenset(_DTYPES)
+"""The dtypes a tensor spec may name."""
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron_diffckpt.shared_replica import (
+    DTYPE_NAMES,
     create_tensor,
     remove_files,
     specs_of,
@@ -188,18 +189,38 @@ def send(sock: socket.socket, header: dict, payload: bytes | memoryview | Parts 
         sock.sendall(payload)
 
 
+RECV_CHUNK = 64 << 20
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    """``n`` bytes from ``sock``; at most :data:`RECV_CHUNK` allocated ahead of what arrived
+    (a frame claiming more than its peer sends costs what was sent)."""
+    if n <= RECV_CHUNK:
+        buf = bytearray(n)
+        _recv_into(sock, memoryview(buf))
+        return buf
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = bytearray(min(RECV_CHUNK, n - len(buf)))
+        _recv_into(sock, memoryview(chunk), len(buf), n)
+        buf += chunk
     return buf
 
 
 def recv_header(sock: socket.socket) -> tuple[dict, int]:
-    """A message's header and its payload's length (the payload is next on ``sock``)."""
+    """A message's header (a JSON object) and its payload's length (the payload is next on
+    ``sock``). Raises :class:`ConnectionError` when the stream ends or breaks,
+    :class:`ValueError` for a header that is not one."""
     n, p = FRAME.unpack(recv_exact(sock, FRAME.size))
     if n > MAX_JSON:
         raise ConnectionError(f"keeper message header of {n} bytes exceeds {MAX_JSON}")
-    return json.loads(recv_exact(sock, n)), p
+    try:
+        header = json.loads(recv_exact(sock, n))
+    except RecursionError:
+        raise ValueError("keeper message header nested too deep") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"keeper message header is a JSON {type(header).__name__}, not an object")
+    return header, p
 
 
 def recv(sock: socket.socket) -> tuple[dict, bytearray]:
@@ -211,7 +232,7 @@ def receive(sock: socket.socket, n: int, header: dict, folder: str) -> Received:
     """The payload of ``n`` bytes next on ``sock``, whose tensors ``header`` describes: each
     written into a new file of ``folder`` as it arrives (its spec names the file from then
     on, in place of its offset), the rest kept. On any failure, the files made are removed."""
-    specs = sorted(tensor_specs(header), key=lambda s: s["offset"])
+    specs = sorted((_checked(s) for s in tensor_specs(header)), key=lambda s: s["offset"])
     out, at = Received(folder), 0
     try:
         for spec in specs:
@@ -237,12 +258,30 @@ def receive(sock: socket.socket, n: int, header: dict, folder: str) -> Received:
     return out
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _checked(spec: dict[str, Any]) -> dict[str, Any]:
+    """A tensor spec of a received header, checked to be one (``ValueError`` otherwise)."""
+    shape, offset = spec["shape"], spec["offset"]
+    if not (
+        isinstance(shape, list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        and isinstance(offset, int) and offset >= 0
+        and isinstance(spec["dtype"], str) and spec["dtype"] in DTYPE_NAMES
+    ):  # fmt: skip
+        raise ValueError(f"a tensor spec of a keeper message is not one: {spec!r:.200}")
+    return spec
+
+
+def _recv_into(sock: socket.socket, view: memoryview, before: int = 0, total: int = 0) -> None:
+    """Fill ``view`` from ``sock`` (bytes ``before`` on of a message of ``total``, for the
+    error's words)."""
     got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:])
         if not k:
-            raise ConnectionError(f"the keeper's peer closed the connection ({got} of {n} bytes)")
+            raise ConnectionError(
+                f"the keeper's peer closed the connection ({before + got} of "
+                f"{max(total, before + n)} bytes)"
+            )
         got += k
 
 

@@ -21,8 +21,8 @@ the header's identity and the per-record checksums. Everything is little-endian:
         p    payload: the tensors' raw bytes, concatenated
         u32  CRC-32 of everything of the record before it
 
-Parsing allocates only what the checksummed lengths describe, looks dtypes up in a fixed table,
-and never evaluates anything it reads.
+Parsing allocates only what the checksummed lengths describe and the file holds, looks dtypes
+up in a fixed table, and never evaluates anything it reads (``tests/test_fuzz.py``).
 """
 
 from __future__ import annotations
@@ -202,8 +202,21 @@ def _write_record(f: BinaryIO, rec: DiffRecord) -> int:
     return n + f.write(_CRC.pack(crc))
 
 
-def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
-    data = f.read(n)
+_READ_CHUNK = 64 << 20
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes | bytearray:
+    """``n`` bytes of ``f``, read at most :data:`_READ_CHUNK` at a time: a damaged length that
+    claims more than the file holds costs what is there, not what it claims."""
+    if n <= _READ_CHUNK:
+        data: bytes | bytearray = f.read(n)
+    else:
+        data = bytearray()
+        while len(data) < n:
+            piece = f.read(min(_READ_CHUNK, n - len(data)))
+            if not piece:
+                break
+            data += piece
     if len(data) != n:
         raise DiffLogFormatError(f"truncated {what}: expected {n} bytes, found {len(data)}")
     return data
@@ -228,7 +241,7 @@ def read_header(f: BinaryIO) -> SegmentHeader:
     try:
         head = json.loads(head_json)
         return SegmentHeader(identity=SegmentIdentity(**head.pop("identity")), **head)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         raise DiffLogFormatError(f"malformed header: {exc}") from None
 
 
@@ -250,7 +263,8 @@ def iter_records(f: BinaryIO) -> Iterator[DiffRecord]:
         if m > MAX_JSON_BYTES:
             raise DiffLogFormatError(f"record JSON length {m} exceeds {MAX_JSON_BYTES}")
         meta = _read_exact(f, m, f"record of iteration {iteration}")
-        payload = bytearray(_read_exact(f, p, f"payload of iteration {iteration}"))
+        payload = _read_exact(f, p, f"payload of iteration {iteration}")
+        payload = payload if isinstance(payload, bytearray) else bytearray(payload)
         (crc,) = _CRC.unpack(_read_exact(f, _CRC.size, "record checksum"))
         if crc != zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(head))):
             raise DiffLogFormatError(f"checksum mismatch in the record of iteration {iteration}")
