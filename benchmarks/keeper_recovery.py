@@ -35,7 +35,14 @@ One invocation; the configurations run interleaved round by round (the order rot
   alone (kept bases, the keepers' replicas, the keepers writing the log);
 - ``lowdiff_dense_keeper`` and ``lowdiff_dense_keeper_log``: the same two with the dense
   exchange (no compression: every record is the rank's whole gradient shard), where writing
-  the log costs what it costs LowDiff+.
+  the log costs what it costs LowDiff+;
+- ``lowdiff_strict`` and ``plus_log_strict``: ``lowdiff`` and ``plus_log`` with
+  ``--diffckpt-when-full strict`` (training never more than B iterations ahead of the durable
+  log): what the bound costs against the default ``block``.
+
+LowDiff+'s end-of-run CPU line (per iteration, by activity: with its replica in the keeper,
+the keeper's checksums of the replica after each step among them) is kept per run
+(``cpu_ms``).
 
 In ``plus_log`` and ``plus_keeper``, rank 1 is SIGKILLed before it hands iteration ``KILL_AT``
 over (fail point ``plus-hand-over``); torchrun restarts both ranks, which recover the newest
@@ -121,7 +128,14 @@ def configs(ckpt: str) -> dict[str, tuple[list[str], bool]]:
         "lowdiff_keeper_auto": (lowdiff, True),
         "lowdiff_dense_keeper": ([*dense, *only_base], True),
         "lowdiff_dense_keeper_log": ([*dense, *log], True),
+        # --diffckpt-when-full strict (at most B iterations lost whatever the storage does)
+        "lowdiff_strict": ([*lowdiff, *STRICT], False),
+        "plus_log_strict": ([*plus, *STRICT], False),
     }
+
+
+STRICT = ["--diffckpt-when-full", "strict"]
+CPU_LINE = re.compile(r"LowDiff\+: CPU per iteration \(ms\): ([^;]*);")
 
 
 EVERY_ITERATION = ("plus_keeper_f1", "plus_keeper_f1_ranks")  # every iteration writes a base
@@ -192,6 +206,9 @@ def measure(work: Path, size: str, repeats: int, only: list[str] | None = None) 
             row["iteration_mean_s"] = statistics.mean(window)
         if name in KILLED:
             row["recovery"] = _recovery(text[text.find("failpoint ") :])
+        cpu = CPU_LINE.findall(_first_attempt(text))
+        if cpu:  # LowDiff+'s CPU per iteration by activity (the keeper's checksums among them)
+            row["cpu_ms"] = {k: float(v) for k, v in re.findall(r"([a-z +]+) ([\d.]+)", cpu[-1])}
         runs[name].append(row)
         print(f"round {round_} {name}: {row}", flush=True)
     med = {n: statistics.median(r["iteration_s"] for r in rs) for n, rs in runs.items()}

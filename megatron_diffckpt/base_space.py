@@ -100,7 +100,7 @@ class BaseSpace:
             if newest is not None
             else "there is no base yet"
         )
-        if self.when_full == "block":
+        if self.when_full != "skip":
             raise out_of_space.StorageFullError(
                 f"base {iteration} cannot be written under {self.save_dir} ({reason}); {stand}: "
                 "free space and restart with --load, or run with --diffckpt-when-full skip"

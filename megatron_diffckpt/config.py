@@ -26,7 +26,7 @@ from typing import Any
 from megatron_diffckpt.errors import DiffCkptUsageError
 
 MODES = ("off", "lowdiff", "lowdiff-plus")
-WHEN_FULL = ("block", "skip")
+WHEN_FULL = ("block", "skip", "strict")
 COMPRESSORS = ("none", "topk")
 KEEPER = ("auto", "off")
 
@@ -159,7 +159,8 @@ class DiffCkptConfig:
     """Folder of the diff log; default SAVE/diffckpt."""
 
     batch_size: int = 1
-    """Iterations per diff-log write (B); a crash loses at most this many iterations."""
+    """Iterations per diff-log write (B); a crash loses at most this many iterations while
+    storage keeps up (always, with --diffckpt-when-full strict)."""
 
     full_interval: int = 0
     """Iterations between bases (stock dist checkpoints, F); 0 uses --save-interval."""
@@ -169,8 +170,11 @@ class DiffCkptConfig:
 
     when_full: str = "block"
     """When the diff-log writer falls behind or the storage under --save is full: block
-    (wait for the writer; a full disk stops the job with one line) or skip (drop the batch or
-    the base with one warning per incident and train on; durability waits for the next base)."""
+    (wait for the writer once max_pending batches wait for it, so a crash loses at most
+    (1 + max_pending) x B iterations; a full disk stops the job with one line), strict (as
+    block, and training never runs more than B iterations ahead of what is durable: at most B
+    lost whatever the storage does; the rank writes its own log) or skip (drop the batch or the
+    base with one warning per incident and train on; durability waits for the next base)."""
 
     compressor: str = "none"
     """Data-parallel gradient exchange: none (megatron's dense reduction) or topk (top-k per
@@ -248,6 +252,14 @@ class DiffCkptConfig:
             )
         if not o.diff_log and not plus:
             return "--diffckpt-option diff_log=false is for --diffckpt-mode lowdiff-plus"
+        if self.when_full == "strict" and (
+            o.keeper_writes_log or (plus and o.keeper_replica) or not o.diff_log
+        ):
+            return (
+                "--diffckpt-when-full strict waits on the rank's own diff-log writer: drop "
+                "--diffckpt-option keeper_writes_log=true, keeper_replica=true (lowdiff-plus) "
+                "and diff_log=false"
+            )
         if plus and self.auto_tune and not o.diff_log:
             return (
                 "--diffckpt-auto-tune measures the diff log to choose between it and bases "
@@ -290,14 +302,17 @@ class DiffCkptConfig:
         o = self.options
         if self.keeper == "off" or not self.enabled:
             return KeeperPlan()
+        strict = self.when_full == "strict"  # the rank waits on its own writer
         if self.mode == "lowdiff":
             kept = o.keeper_kept_bases is not False
             return KeeperPlan(
                 kept_bases=kept,
-                writes_log=o.keeper_writes_log is not False,
+                writes_log=o.keeper_writes_log is not False and not strict,
                 replica=kept and o.keeper_replica is not False,
             )
-        replica = o.keeper_replica if o.keeper_replica is not None else not self.auto_tune
+        replica = (
+            o.keeper_replica if o.keeper_replica is not None else not (self.auto_tune or strict)
+        )
         return KeeperPlan(replica=replica, writes_bases=replica and o.keeper_writes_bases)
 
     def forced(self, option: str) -> bool:

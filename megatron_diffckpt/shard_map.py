@@ -331,7 +331,7 @@ class ShardMapRecorder:
         except OSError as exc:
             if exc.errno not in FULL_ERRNOS:
                 raise
-            if self.when_full == "block":
+            if self.when_full != "skip":
                 raise StorageFullError(
                     f"the shard map of {self.rank_dir} cannot be written ({exc.strerror}): free "
                     "space and restart with --load, or run with --diffckpt-when-full skip"

@@ -24,6 +24,8 @@ from launch import (
 )
 from test_keeper import _assert_ends_as_straight
 
+from megatron_diffckpt.failpoints import ENV as FAILPOINT_ENV
+
 STOP_WITHIN_S = 60.0  # a hang detector, not a measurement: the job stops in about 10 s
 
 
@@ -107,3 +109,23 @@ def test_a_write_refused_on_one_rank_stops_every_rank_in_one_line(tmp_path, mode
 
     undo = lambda: shutil.rmtree(blocker.parent)  # noqa: E731
     _ends_as_straight(tmp_path, stop_then_restart(_job(tmp_path, mode, total=20), refuse, undo))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["lowdiff", "lowdiff-plus"])
+def test_strict_loses_at_most_b_iterations_and_recovers_exactly(tmp_path, monkeypatch, mode):
+    """``--diffckpt-when-full strict`` with B = 3: rank 0 SIGKILLed right after handing
+    iteration 11 over; the restart recovers at least iteration 8 (11 - B) and ends as an
+    uninterrupted run. (The bound under a storage slower than training:
+    ``tests/storage/test_log.py``.)"""
+    args = [*_job(tmp_path, mode, total=16), "--diffckpt-when-full", "strict"]
+    args += ["--diffckpt-batch-size", "3"]
+    monkeypatch.setenv(FAILPOINT_ENV, "iteration-end:11@0")
+    killed = run_gpt(2, *args, check=False)
+    assert killed.returncode != 0 and "failpoint iteration-end #11" in killed.stderr + killed.stdout
+    monkeypatch.delenv(FAILPOINT_ENV)
+    resumed = run_gpt(2, *args)
+    log = resumed.stdout + resumed.stderr
+    recovered = int(re.findall(r"\[rank0\] \S+ recovered to iteration (\d+)", log)[0])
+    assert 11 - 3 <= recovered <= 11, recovered
+    _assert_ends_as_straight(tmp_path, recovered)

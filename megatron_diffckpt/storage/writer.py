@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-WHEN_FULL = ("block", "skip")
+WHEN_FULL = ("block", "skip", "strict")
 
 
 @dataclass
@@ -103,9 +103,12 @@ class DiffLogWriter:
         batch_size: iterations per segment (B).
         max_pending: segments that may wait for the background thread (bounds host memory at
             about ``(max_pending + 2) * batch_size`` records, and the staging buffer one segment).
-        when_full: when storage cannot keep up or is full: ``"block"`` (wait for the writer;
-            a full disk stops training with :class:`StorageFullError`) or ``"skip"`` (drop the
-            batch with one warning per incident, go on; durability waits for the next base).
+        when_full: when storage cannot keep up or is full: ``"block"`` (wait for the writer
+            once ``max_pending`` segments wait; a full disk stops training with
+            :class:`StorageFullError`), ``"strict"`` (as block, and :meth:`append` returns only
+            once at most ``batch_size`` iterations are not durable: :meth:`wait_durable`) or
+            ``"skip"`` (drop the batch with one warning per incident, go on; durability waits
+            for the next base).
         chain_start: the iteration of the base the first record follows.
         slow_hint: what to do when storage cannot keep up, for the warning that says so (once
             per writer, the first time a hand-over waits for it).
@@ -158,6 +161,7 @@ class DiffLogWriter:
         self.stats = WriterStats()
         self._batch: list[DiffRecord | EncodedRecord] = []
         self._lock = threading.Lock()
+        self._durable_moved = threading.Condition(self._lock)
         self._next_iteration = chain_start + 1
         # The chain: every iteration in (base, _durable] is published. Segments published beyond a
         # gap (a skipped batch) wait in _after_gap until a rebase() or the gap's filling joins them.
@@ -180,12 +184,26 @@ class DiffLogWriter:
             return self._durable
 
     def append(self, record: DiffRecord | EncodedRecord) -> None:
-        """Take ownership of ``record`` (its tensors must not change afterwards)."""
+        """Take ownership of ``record`` (its tensors must not change afterwards). Strict: returns
+        once at most ``batch_size`` iterations up to it are not durable."""
         self._raise_background_error()
         self._advance(record.iteration)
         if self.sink is not None:
             self.sink.put(record)
         self._add(record)
+        if self.when_full == "strict":
+            self.wait_durable(record.iteration - self.batch_size)
+
+    def wait_durable(self, iteration: int) -> None:
+        """Wait until :attr:`durable_iteration` reaches ``iteration`` (or an error of the
+        writer's thread is raised); counted in ``stats.blocked_seconds``. Every record up to
+        ``iteration`` must have been handed over in a full batch."""
+        start = time.perf_counter()
+        with self._durable_moved:
+            while self._durable < iteration and self._worker.error is None:
+                self._durable_moved.wait(0.1)
+        self.stats.blocked_seconds += time.perf_counter() - start
+        self._raise_background_error()
 
     def _advance(self, iteration: int) -> None:
         """Check that ``iteration`` is the next one, and count it."""
@@ -254,6 +272,7 @@ class DiffLogWriter:
         self._after_gap.sort()
         while self._after_gap and self._after_gap[0][0] <= self._durable + 1:
             self._durable = max(self._durable, self._after_gap.pop(0)[1])
+        self._durable_moved.notify_all()
 
     def close(self) -> None:
         """Flush and stop the background thread. Idempotent."""
@@ -328,7 +347,7 @@ class DiffLogWriter:
     def _storage_full(self, batch: list[DiffRecord | EncodedRecord], exc: OSError) -> None:
         """A segment did not fit: stop (block) or drop it with one warning per incident."""
         what = f"{self.dir}: {os.strerror(exc.errno)}"
-        if self.when_full == "block":
+        if self.when_full != "skip":
             raise StorageFullError(f"the diff log cannot be written, {what}") from exc
         self.stats.skipped_records += len(batch)
         if self._full_since is None:

@@ -347,3 +347,32 @@ def test_full_disk_with_block_stops_with_one_clear_error(tmp_path, monkeypatch):
         "seg_0000000001_0000000001.bin",
         "seg_0000000002_0000000002.bin",
     ]
+
+
+@pytest.mark.parametrize("when_full", ["block", "strict"])
+def test_strict_keeps_the_log_within_b_iterations_of_training_on_storage_slower_than_it(
+    tmp_path, when_full
+):
+    """A storage that takes 40 ms per segment, an iteration every millisecond, B = 2: with
+    ``block`` training runs ahead of what is durable by up to (1 + max_pending) x B iterations
+    (what a crash would lose); with ``strict`` never by more than B (its appends wait)."""
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=2, when_full=when_full)
+    write = w._write_segment
+
+    def slow(batch):
+        time.sleep(0.04)
+        write(batch)
+
+    w._write_segment = slow
+    lags = []
+    for it in range(1, 25):
+        w.append(_record(it, numel=8))
+        lags.append(it - w.durable_iteration)  # what a crash now would lose
+        time.sleep(0.001)
+    w.close()
+    assert w.durable_iteration == 24 and _segments(tmp_path)[-1] == "seg_0000000023_0000000024.bin"
+    if when_full == "strict":
+        assert max(lags) <= 2, lags
+        assert w.stats.blocked_seconds > 0
+    else:  # the storage is slower than training: the lag grows past B
+        assert max(lags) > 2, lags
