@@ -14,7 +14,12 @@ each killing one rank or all, drawn. The other faults come at points drawn at ra
 - ``segment-write``: one rank, while a diff-log segment is in its ``.tmp`` file
   (fail point ``segment-write``, :mod:`megatron_diffckpt.failpoints`);
 - ``replay``: one rank, in the middle of a recovery's replay (fail point ``replay``), drawn only
-  when the previous attempt left differentials past the newest base.
+  when the previous attempt left differentials past the newest base;
+- ``helper-one``: the helper processes of one rank (megatron's checkpoint writer machinery,
+  an OOM kill's likely victim) once the iteration before a base is logged: the base then fails
+  on that rank alone, and the attempt must end by itself within 60 s, every rank saying so in
+  one line (:mod:`megatron_diffckpt.control`); LowDiff+, which writes its bases on threads,
+  trains on (the attempt then ends as ``fallback``).
 
 An attempt whose drawn point did not come within a few iterations is killed whole
 (``fallback``). For each fault the test reports what the job had completed, where the next
@@ -30,6 +35,7 @@ draws come from a seed printed in the report; ``DIFFCKPT_FAULT_SEED=N`` replays 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -66,7 +72,9 @@ MAX_PENDING = 2
 MODES = {"lowdiff": (1 + MAX_PENDING) * B, "lowdiff-plus": B + MAX_PENDING}  # one fault may lose
 COMMON = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "200"]
 EARLY = ("first-base", 1, 2, F - 1, F, F + 1)  # the first faults' points, in this order
-KINDS = ("iteration-one", "iteration-all", "base-one", "base-all", "segment-write", "replay")
+KINDS = ("iteration-one", "iteration-all", "base-one", "base-all", "segment-write", "replay",
+         "helper-one")  # fmt: skip
+STOP_WITHIN_S = 60.0  # helper-one: the attempt ends by itself within this (a hang detector)
 FALLBACK_AFTER = 8  # iterations past the attempt's start after which an unmet point is dropped
 
 
@@ -145,6 +153,9 @@ def _draw(rng: random.Random, kind: str, at: int, ckpt: Path) -> Plan:
         return Plan(kind, None, iteration=at + rng.randint(1, 4))
     if kind in ("base-one", "base-all"):
         return Plan(kind, rank if kind == "base-one" else None, base=(at // F + 1) * F)
+    if kind == "helper-one":  # killed once the iteration before the next base is logged
+        before_base = (at // F + 1) * F - 1
+        return Plan(kind, rank, iteration=before_base if before_base > at else before_base + F)
     if kind == "segment-write":
         nth = rng.randint(1, 3)
         return Plan(kind, rank, nth=nth, env={failpoints.ENV: f"segment-write:{nth}@{rank}"})
@@ -175,11 +186,23 @@ def _kill(attempt: Attempt, rank: int | None) -> None:
 def _run_to_fault(attempt: Attempt, plan: Plan, start: int, ckpt: Path, since: float) -> str:
     """Wait for the plan's point and kill there; returns how the attempt ended."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
+    helpers_killed: float | None = None
     while True:
         last = max(attempt.logged, default=start)
-        if attempt.proc.poll() is not None:  # a fail point fired, or the job ended
+        if attempt.proc.poll() is not None:  # a fail point fired, the job stopped or ended
             kill_tree(attempt.proc)
+            if helpers_killed is not None:  # it stopped by itself, every rank in one line
+                said = [line for line in attempt.lines if line.rstrip().endswith("the job stops")]
+                assert len(said) == 2, attempt.tail()
+                return plan.kind
             return plan.kind if attempt.fired else f"exit {attempt.proc.returncode}"
+        if plan.kind == "helper-one" and last >= plan.iteration and helpers_killed is None:
+            for helper in rank_process(plan.rank, attempt.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    helper.kill()
+            helpers_killed = time.monotonic()
+        if helpers_killed is not None:
+            assert time.monotonic() - helpers_killed < STOP_WITHIN_S, "no stop:\n" + attempt.tail()
         if plan.kind.startswith("iteration") and last >= plan.iteration:
             _kill(attempt, plan.rank)
             return plan.kind
@@ -269,6 +292,8 @@ def test_twenty_random_sigkills_lose_at_most_b_and_end_exactly(
             at = max(attempt.logged, default=recovered)
             if how.startswith("base"):  # its iteration is done; the log line follows the save
                 at = max(at, plan.base)
+            if how == "helper-one":  # the base after it failed: its iteration is done, unlogged
+                at = max(at, plan.iteration + 1)
             faults.append((how, who, at))
     finally:
         fault_report(table())

@@ -652,18 +652,49 @@ def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_pat
     _assert_ends_as_straight(tmp_path, recovered)
 
 
+@pytest.mark.distributed
+def test_a_ring_copy_damaged_in_memory_is_refused_and_storage_serves(tmp_path):
+    """As above, but before node 1 is lost one byte is flipped in the middle of every copy
+    node 0's keeper received from node 1's (its ``in-*`` files): node 1's fresh keeper adopts
+    the copy of base 10 with the checksums it was made with, its rank finds it damaged and
+    says so, the ranks load storage's base instead, and the run ends equal to an uninterrupted
+    one."""
+
+    def damage(shm: Path) -> None:
+        received = [f for f in shm.glob("in-*") if f.stat().st_size >= 8]
+        assert received, sorted(shm.iterdir())
+        for f in received:
+            flip_a_byte_in_the_middle(f)
+
+    text, _ = _node_1_lost_whole(
+        tmp_path,
+        list(KEPT_BASE_ONLY),
+        lambda held: any(b["copy"] and b["iteration"] == 10 for b in held["bases"]),
+        lambda sock: chains_acknowledged([sock], 2),
+        damage,
+    )
+    assert re.search(
+        r"keeper: the base of iteration 10 in the keeper of node 0 \(a peer\) is damaged", text
+    ), text[-4000:]
+    assert "recovery: base of iteration 10 from" not in text  # no rank used a kept base
+    assert "loaded checkpoint from" in text
+    recovered = int(re.findall(r"\[rank0\] \S+ recovered to iteration (\d+)", text)[-1])
+    _assert_ends_as_straight(tmp_path, recovered)
+
+
 def _node_1_lost_whole(
     tmp_path: Path,
     flags: list[str],
     copied: Callable[[dict], bool],
     acknowledged: Callable[[str], int],
+    damage: Callable[[Path], None] = lambda _shm: None,
 ) -> tuple[str, int]:
     """LowDiff on one machine as two nodes (keepers in a ring), bases every 5, with ``flags``:
     after iteration 12 node 1's rank is stopped (its keeper's last copies go out), and once
-    node 0's keeper holds what ``copied`` (of its stats) asks, node 1 is lost whole
-    (launcher, keeper, agent, rank SIGKILLed) and started again with a fresh keeper. The log
-    of the job, which ran to its end, and what ``acknowledged(node 0's keeper's socket)`` read
-    just before node 1 died."""
+    node 0's keeper holds what ``copied`` (of its stats) asks, ``damage(node 0's keeper's
+    shared-memory folder)`` runs and node 1 is lost whole (launcher, keeper, agent, rank
+    SIGKILLed) and started again with a fresh keeper. The log of the job, which ran to its
+    end, and what ``acknowledged(node 0's keeper's socket)`` read just before node 1 died."""
     common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
@@ -676,6 +707,7 @@ def _node_1_lost_whole(
             return acknowledged(job.keeper_socket(0))
 
         acked = stopped_then_read(_ranks_of(psutil.Process(job.nodes[1].pid)), read)
+        damage(Path(shared_memory_root()) / Path(job.keeper_socket(0)).parent.name)
         job.restart_node(1)
         job.wait()
         return job.text(), acked
