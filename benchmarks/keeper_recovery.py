@@ -206,9 +206,10 @@ def measure(work: Path, size: str, repeats: int, only: list[str] | None = None) 
             row["iteration_mean_s"] = statistics.mean(window)
         if name in KILLED:
             row["recovery"] = _recovery(text[text.find("failpoint ") :])
-        cpu = CPU_LINE.findall(_first_attempt(text))
+        cpu = CPU_LINE.findall(text)  # the last attempt's: a killed one prints none
         if cpu:  # LowDiff+'s CPU per iteration by activity (the keeper's checksums among them)
-            row["cpu_ms"] = {k: float(v) for k, v in re.findall(r"([a-z +]+) ([\d.]+)", cpu[-1])}
+            pairs = re.findall(r"([a-z][a-z +]*) ([\d.]+)", cpu[-1])
+            row["cpu_ms"] = {k.strip(): float(v) for k, v in pairs}
         runs[name].append(row)
         print(f"round {round_} {name}: {row}", flush=True)
     med = {n: statistics.median(r["iteration_s"] for r in rs) for n, rs in runs.items()}

@@ -167,13 +167,17 @@ class JobControl:
     # -- the fault board ---------------------------------------------------------------------
 
     def posted(self) -> str | None:
-        """The fault posted on the board, or ``None``. Any rank."""
+        """The fault posted on the board, or ``None``; a line saying so when the job's store
+        is gone (its host, often rank 0, ended). Any rank."""
         try:
-            if not self.store.check([self.fault_key]):
-                return None
-            return self.store.get(self.fault_key).decode()
-        except (RuntimeError, OSError) as exc:  # the store's host (often rank 0) is gone
+            return self._board()
+        except (RuntimeError, OSError) as exc:
             return f"the job's store is gone ({describe(exc)}): another rank stopped"
+
+    def _board(self) -> str | None:
+        if not self.store.check([self.fault_key]):
+            return None
+        return self.store.get(self.fault_key).decode()
 
     def post(self, line: str) -> str:
         """Post ``line`` unless a fault is there already; returns the board's fault. Any rank."""
@@ -208,7 +212,13 @@ class JobControl:
 
     def _watch(self) -> None:
         while not self._stop.wait(WATCH_POLL_S):
-            line = self.posted()
+            try:
+                line = self._board()
+            except (RuntimeError, OSError):
+                # The store's host ended: at the job's end, before this rank; or it died, and
+                # this rank's next collective fails (a failed rank posts, and waits for the
+                # others to read it, before it ends).
+                return
             if line is None or line.startswith(f"rank {self.rank}: ") or self._raised:
                 continue
             self._acknowledge()
