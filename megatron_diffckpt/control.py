@@ -8,12 +8,15 @@ own key-value store (which every rank of the default process group reaches, what
 collectives are doing):
 
 - **The fault board.** A rank that cannot go on posts one line, ``rank R: what: cause``
-  (:meth:`JobControl.fail`); the first post wins. Every rank runs a watcher thread that polls
-  the board (:data:`WATCH_POLL_S`); a rank that sees another's fault and has not stopped by
-  itself :data:`STOP_GRACE_S` later (an error every rank raises together ends each in its own
-  line) logs the line and exits (:data:`FAULT_EXIT`), wherever its main thread waits (inside
-  megatron's save barrier, say). torchrun (or Slurm's requeue) then restarts the job, which
-  recovers exactly.
+  (:meth:`JobControl.fail`, or the training entry's :func:`stop_others` for any error that
+  ends a rank); the first post wins. Every rank runs a watcher thread that polls the board
+  (:data:`WATCH_POLL_S`); a rank that sees another's fault and has not stopped by itself
+  :data:`STOP_GRACE_S` later (an error every rank raises together ends each in its own line)
+  prints the line and exits (:data:`FAULT_EXIT`), wherever its main thread waits (inside
+  megatron's save barrier, say). The rank that posted prints its line first and ends only once
+  the others have stopped (:meth:`JobControl.linger`): once a rank ends, torchrun stops the
+  rest, which would then end without a word. torchrun (or Slurm's requeue) restarts the job,
+  which recovers exactly.
 - **Outcomes agreed before anyone acts** (:meth:`JobControl.agree`): the ranks that succeeded
   and the ranks that failed reach one exchange (ok, or which rank failed and whether for want
   of space), so that every rank takes the same decision: go on, skip a base
@@ -68,9 +71,12 @@ SAY_FIRST_S = 0.5
 """How long the other ranks leave a failed rank, in :meth:`JobControl.stop_agreed`, to say why
 before they stop (once one rank exits, torchrun stops the others)."""
 
-ACK_WAIT_S = 5.0
-"""How long a failing rank waits for the others to have read its fault before it exits (the
-store may live in its process)."""
+LINGER_S = STOP_GRACE_S + WATCH_POLL_S + 2.0
+"""How long the rank that posted the fault waits for the others to stop before it ends."""
+
+LEAVE_S = 0.5
+"""How long a rank stopped by its watcher lives on once it said so and counted itself stopped:
+the rank that posted may be reading that count from a store this process hosts."""
 
 
 class JobFault(DiffCkptError):
@@ -125,7 +131,8 @@ class JobControl:
         self.fault_key = f"{prefix}/fault"
         self._seq = 0
         self._stop = threading.Event()
-        self._raised = False  # the main thread stops the rank itself: the watcher leaves it
+        self._lock = threading.Lock()
+        self._ender: str | None = None  # who ends this rank: "main" (itself) or "watcher"
         self._watcher: threading.Thread | None = None
 
     @classmethod
@@ -187,27 +194,45 @@ class JobControl:
             return line
 
     def fail(self, what: str, cause: BaseException | str) -> NoReturn:
-        """This rank cannot go on: post ``rank R: what: cause`` and raise :class:`JobFault`
-        with the board's line. When this rank's post is the board's, it first waits (at most
-        :data:`ACK_WAIT_S`) until every other rank read it: the job's store may live in this
-        process. Any rank."""
+        """This rank cannot go on: post ``rank R: what: cause`` (unless another fault is there)
+        and raise :class:`JobFault` with the board's line; the training entry prints it, then
+        :func:`stop_others`. Any rank."""
         text = cause if isinstance(cause, str) else describe(cause)
-        mine = f"rank {self.rank}: {what}: {text}; the job stops"
-        self._raised = True  # this rank stops itself: its watcher leaves it alone
-        line = self.post(mine)
-        if line == mine:
-            deadline = time.monotonic() + ACK_WAIT_S
-            while time.monotonic() < deadline:
-                try:
-                    if int(self.store.add(f"{self.prefix}/fault-read", 0)) >= self.world - 1:
-                        break
-                except (RuntimeError, OSError):
-                    break
-                time.sleep(0.05)
-        self._raise(line)
+        self._raise(self.post(f"rank {self.rank}: {what}: {text}; the job stops"))
+
+    def linger(self) -> None:
+        """This rank is about to end, having said why. The rank whose post is the board's
+        waits (at most :data:`LINGER_S`) until every other rank has stopped: its process may
+        host the job's store, and once it exits torchrun stops the others before they say
+        why. Any other rank counts itself stopped. Any rank."""
+        self.claim()
+        line = self.posted()
+        if line is None or not line.startswith(f"rank {self.rank}: "):
+            self._stopping()
+            return
+        deadline = time.monotonic() + LINGER_S
+        while time.monotonic() < deadline:
+            try:
+                if int(self.store.add(f"{self.prefix}/stopped", 0)) >= self.world - 1:
+                    return
+            except (RuntimeError, OSError):
+                return
+            time.sleep(0.05)
+
+    def claim(self) -> None:
+        """The main thread ends this rank itself (its watcher leaves it alone); if the watcher
+        is ending it already, wait for that (never returns): an error the main thread meets
+        then (a collective failing as the rank that failed ends) is a consequence, not news.
+        Any rank."""
+        with self._lock:
+            if self._ender is None:
+                self._ender = "main"
+            mine = self._ender == "main"
+        if not mine:
+            threading.Event().wait()
 
     def _raise(self, line: str, kind: type[JobFault] = JobFault) -> NoReturn:
-        self._raised = True
+        self.claim()
         raise kind(line)
 
     def _watch(self) -> None:
@@ -219,22 +244,27 @@ class JobControl:
                 # this rank's next collective fails (a failed rank posts, and waits for the
                 # others to read it, before it ends).
                 return
-            if line is None or line.startswith(f"rank {self.rank}: ") or self._raised:
+            if line is None or line.startswith(f"rank {self.rank}: ") or self._ender:
                 continue
-            self._acknowledge()
             # An error every rank raises together (a full disk under block) ends this rank by
             # itself, in its own line: the watcher stops only a rank that does not.
-            if self._stop.wait(STOP_GRACE_S) or self._raised:
+            if self._stop.wait(STOP_GRACE_S):
                 return
+            with self._lock:
+                if self._ender is not None:
+                    return
+                self._ender = "watcher"
             logger.error("stopping: %s", line)
             for handler in logging.getLogger().handlers:
                 handler.flush()
             sys.stderr.flush()
+            self._stopping()
+            time.sleep(LEAVE_S)
             os._exit(FAULT_EXIT)
 
-    def _acknowledge(self) -> None:
+    def _stopping(self) -> None:
         try:
-            self.store.add(f"{self.prefix}/fault-read", 1)
+            self.store.add(f"{self.prefix}/stopped", 1)
         except (RuntimeError, OSError):
             pass
 
@@ -260,7 +290,6 @@ class JobControl:
             self._raise(self.posted() or f"the job's store is gone ({describe(exc)})")
         line = self.posted()
         if line is not None:
-            self._acknowledge()
             self._raise(line)
         limit = self.timeout_s if timeout_s is None else timeout_s
         work = start()
@@ -277,7 +306,6 @@ class JobControl:
             if now >= next_check:
                 line = self.posted()
                 if line is not None:
-                    self._acknowledge()
                     self._raise(line)
                 next_check = now + 0.5
             if now - began > limit:
@@ -343,20 +371,29 @@ class JobControl:
                 line = f"rank {agreed.first}: {what} failed (its cause did not arrive)"
                 break
             time.sleep(0.05)
-        self._acknowledge()
         time.sleep(SAY_FIRST_S)  # the failed rank says it first (torchrun stops the rest)
         self._raise(line)
 
 
-def stop_others(exc: BaseException) -> None:
-    """A training entry's last word on an error that ends this rank: unless the board holds a
-    fault already, post ``rank R: exc`` so that the other ranks stop within seconds instead of
-    waiting for this one in a collective (they log the line and exit). Any rank; does nothing
-    without a current control plane."""
+def ending() -> None:
+    """A training entry is about to print the error that ends this rank: unless this rank's
+    watcher is stopping it already (then this waits for that, see :meth:`JobControl.claim`).
+    Any rank; does nothing without a current control plane."""
     plane = current()
-    if plane is None or isinstance(exc, JobFault):
+    if plane is not None:
+        plane.claim()
+
+
+def stop_others(exc: BaseException) -> None:
+    """A training entry's last word on an error that ends this rank, once it has printed it:
+    unless the board holds a fault already, post ``rank R: failed: exc`` so that the other
+    ranks stop within seconds instead of waiting for this one in a collective (they print the
+    line and exit), then :meth:`JobControl.linger`. Any rank; does nothing without a current
+    control plane."""
+    plane = current()
+    if plane is None:
         return
-    try:
-        plane.fail("stopped", exc)
-    except JobFault:
-        pass
+    plane.claim()
+    if not isinstance(exc, JobFault):
+        plane.post(f"rank {plane.rank}: failed: {describe(exc)}; the job stops")
+    plane.linger()

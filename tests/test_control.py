@@ -55,6 +55,7 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
                 plane.stop_agreed("base 5: save", agreed, error)
     except JobFault as exc:
         result["fault"] = str(exc)
+        control.stop_others(exc)  # as a training entry does, once it printed the line
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     plane.close()
 

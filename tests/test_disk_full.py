@@ -75,6 +75,31 @@ def test_full_disk_with_block_stops_in_one_line_then_recovers_with_space(tmp_pat
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000012")
 
 
+@pytest.mark.distributed
+def test_a_diff_log_full_on_one_rank_only_stops_every_rank_in_one_line(tmp_path, tmpfs):
+    """Rank 1's diff-log folder on a 1 MiB filesystem of its own (its node's disk), rank 0's
+    with room: under block, rank 1's writer finds it full and rank 1 stops in one line; rank
+    0, which could train on, waits for rank 1 in the next iteration's reduction and is stopped
+    by the fault board in one line naming rank 1 and the cause, no hang. With space again the
+    restart recovers, finishes, and ``verify`` passes."""
+    (tmp_path / "log").mkdir()
+    small = tmpfs("log/rank_0_0_1", "1m")
+    job = _job(tmp_path, tmp_path / "log", "block")
+    proc = run_gpt(2, *job, "--train-iters", "12", check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    said = [line for line in log.splitlines() if "No space left on device" in line]
+    assert len(said) == 2, said  # one line per rank, each naming the full folder
+    assert re.search(r"\[rank1\] .*pretrain_gpt.py: error: the diff log cannot be written", log)
+    assert re.search(r"\[rank0\] .*stopping: rank 1: failed: StorageFullError: the diff log", log)
+    assert "Traceback" not in log and "recvValue failed" not in log, log[-4000:]
+    tmpfs.grow(small)
+    resumed = run_gpt(2, *job, "--train-iters", "12", "--load", str(tmp_path / "ckpt"))
+    assert recovered_iteration(resumed) >= 0
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "12"
+    _verify(tmp_path, tmp_path / "log")
+
+
 # --save itself on a small filesystem: bases and the diff log (SAVE/diffckpt) fill it together.
 # A base of this GPT is about 2.2 MB, a differential about 0.26 MB per rank.
 

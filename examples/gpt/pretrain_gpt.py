@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 import warnings
 from functools import partial
 
@@ -375,18 +376,22 @@ def _dump_dir(args, iteration: int) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
-    from megatron_diffckpt.control import stop_others
+    from megatron_diffckpt.control import ending, stop_others
     from megatron_diffckpt.errors import DiffCkptError
 
     try:
         return train(args)
     except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
-        stop_others(exc)
+        ending()  # unless the fault board stops this rank already
         logger.error("pretrain_gpt.py: error: %s", exc)
+        stop_others(exc)  # said first: once this rank ends, torchrun stops the others
         return 2
-    except Exception as exc:  # a failure of this rank's alone: the others stop too
+    except Exception as exc:  # not this library's: its traceback, and the others stop too
+        ending()
+        traceback.print_exc()
+        sys.stderr.flush()
         stop_others(exc)
-        raise
+        return 1
 
 
 def train(args) -> int:

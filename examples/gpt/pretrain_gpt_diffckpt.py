@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -90,7 +91,7 @@ def main() -> None:
     sys.path.append(checkout)
     from importlib.metadata import version
 
-    from megatron_diffckpt.control import stop_others
+    from megatron_diffckpt.control import ending, stop_others
     from megatron_diffckpt.errors import DiffCkptError
     from megatron_diffckpt.integrations import megatron_lm
     from megatron_diffckpt.patches import torch_adam_state
@@ -168,12 +169,16 @@ def main() -> None:
             megatron_lm.RUN.close()
         raise
     except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
-        stop_others(exc)
+        ending()  # unless the fault board stops this rank already
         print(f"pretrain_gpt_diffckpt.py: error: {exc}", file=sys.stderr, flush=True)
+        stop_others(exc)  # said first: once this rank ends, torchrun stops the others
         sys.exit(2)
-    except Exception as exc:  # a failure of this rank's alone: the others stop too
+    except Exception as exc:  # not this library's: its traceback, and the others stop too
+        ending()
+        traceback.print_exc()
+        sys.stderr.flush()
         stop_others(exc)
-        raise
+        sys.exit(1)
     # On an error, a rank does not close: closing may be collective, and the other ranks may
     # never get there. What is durable stays durable; the writer's pending batch is lost.
     megatron_lm.RUN.close()

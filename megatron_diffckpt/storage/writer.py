@@ -375,7 +375,8 @@ class DiffLogWriter:
             )
 
     def _failed(self, exc: BaseException) -> None:  # the worker thread; the next call raises it
-        logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
+        if not isinstance(exc, StorageFullError):  # raised in its own line, with what to do
+            logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
 
     def _write(self, batch: list[DiffRecord | EncodedRecord]) -> None:
         cpu = time.thread_time()
