@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -51,9 +52,11 @@ import psutil
 
 KEEPER_FLAG = "--keeper-memory"
 PEERS_FLAG = "--keeper-peers"
+THREADS_FLAG = "--keeper-merge-threads"
 PROG = "megatron-diffckpt-launch"
 RETIRED = {"--diffckpt-keeper-memory": KEEPER_FLAG, "--diffckpt-keeper-peers": PEERS_FLAG}
-USAGE = f"""usage: {PROG} [--keeper-memory MIB [--keeper-peers DIR]] TORCHRUN_ARGS...
+USAGE = f"""usage: {PROG} [--keeper-memory MIB [--keeper-peers DIR] [--keeper-merge-threads N]]
+       TORCHRUN_ARGS...
 
 torchrun (python -m torch.distributed.run) for one node, with the node's keeper, and no process
 left behind when it ends. Every argument after the launcher's own goes to torchrun as it is
@@ -65,6 +68,9 @@ options:
                        ranks restarted by torchrun recover from (--diffckpt-keeper auto)
   --keeper-peers DIR   a folder every node sees: the keepers of the job's nodes form a ring,
                        each copying to the next node's, so a node lost whole recovers from it
+  --keeper-merge-threads N
+                       CPU threads the keeper steps the node's LowDiff+ replicas with, all
+                       ranks together (default: half the CPUs the launcher may run on)
 """
 KEEPER_START_S = 60.0
 JOB_ENV = "DIFFCKPT_LAUNCH_JOB"
@@ -84,15 +90,20 @@ def launcher_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
         flag, _, value = argv[0].partition("=")
         if flag in RETIRED:
             raise SystemExit(f"{PROG}: {flag} was retired; use {RETIRED[flag]}")
-        if flag not in (KEEPER_FLAG, PEERS_FLAG):
+        if flag not in (KEEPER_FLAG, PEERS_FLAG, THREADS_FLAG):
             break
         if not value:
             if len(argv) < 2:
                 raise SystemExit(f"{PROG}: {flag} needs a value")
             value, argv = argv[1], argv[1:]
         opts[flag], argv = value, argv[1:]
-    if PEERS_FLAG in opts and KEEPER_FLAG not in opts:
-        raise SystemExit(f"{PROG}: {PEERS_FLAG} needs {KEEPER_FLAG} (the keeper's cap)")
+    for flag in (PEERS_FLAG, THREADS_FLAG):
+        if flag in opts and KEEPER_FLAG not in opts:
+            raise SystemExit(f"{PROG}: {flag} needs {KEEPER_FLAG} (the keeper's cap)")
+    if THREADS_FLAG in opts and not (opts[THREADS_FLAG].isdigit() and int(opts[THREADS_FLAG])):
+        raise SystemExit(
+            f"{PROG}: {THREADS_FLAG} takes a number of threads, got {opts[THREADS_FLAG]}"
+        )
     if KEEPER_FLAG in opts:
         try:
             mib = float(opts[KEEPER_FLAG])
@@ -105,17 +116,41 @@ def launcher_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return opts, argv
 
 
-def node_of(argv: list[str]) -> tuple[int, int]:
-    """``(node rank, nodes)`` of this launch: torchrun's ``--node-rank`` and ``--nnodes`` (the
-    largest of a range), else Slurm's ``SLURM_NODEID`` and ``SLURM_NNODES``, else ``(0, 1)``."""
+def _torchrun_flags(argv: list[str], *names: str) -> dict[str, str]:
     found: dict[str, str] = {}
     for i, arg in enumerate(argv):
         if arg.endswith(".py"):
             break  # the training script: its flags are not torchrun's
         flag, _, value = arg.partition("=")
         flag = flag.replace("_", "-")
-        if flag in ("--node-rank", "--nnodes"):
+        if flag in names:
             found[flag] = value or (argv[i + 1] if i + 1 < len(argv) else "")
+    return found
+
+
+def node_ranks(argv: list[str]) -> int:
+    """The ranks of this node: torchrun's ``--nproc-per-node`` where it is a number; for
+    ``gpu`` or ``auto``, the GPUs (``CUDA_VISIBLE_DEVICES``, else the ``/dev/nvidiaN`` devices;
+    without any, ``auto`` means the CPUs, as for ``cpu``); 1 without the flag."""
+    value = _torchrun_flags(argv, "--nproc-per-node").get("--nproc-per-node", "1")
+    if value.isdigit():
+        return max(1, int(value))
+    gpus = 0
+    if value in ("gpu", "auto"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            gpus = len([d for d in visible.split(",") if d.strip()])
+        else:
+            gpus = len([d for d in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", d)])
+    if gpus:
+        return gpus
+    return (os.cpu_count() or 1) if value in ("cpu", "auto") else 1
+
+
+def node_of(argv: list[str]) -> tuple[int, int]:
+    """``(node rank, nodes)`` of this launch: torchrun's ``--node-rank`` and ``--nnodes`` (the
+    largest of a range), else Slurm's ``SLURM_NODEID`` and ``SLURM_NNODES``, else ``(0, 1)``."""
+    found = _torchrun_flags(argv, "--node-rank", "--nnodes")
     rank = found.get("--node-rank", os.environ.get("SLURM_NODEID", "0"))
     nnodes = found.get("--nnodes", os.environ.get("SLURM_NNODES", "1")).split(":")[-1]
     return int(rank), int(nnodes)
@@ -130,6 +165,9 @@ def start_keeper(
     sock = os.path.join(tempfile.mkdtemp(prefix="diffckpt-keeper-"), "socket")
     cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
     cmd += ["--memory-mib", opts[KEEPER_FLAG], "--shm-dir", shm_dir(sock)]
+    cmd += ["--ranks", str(node_ranks(argv))]
+    if THREADS_FLAG in opts:
+        cmd += ["--merge-threads", opts[THREADS_FLAG]]
     if PEERS_FLAG in opts:
         node, nnodes = node_of(argv)
         cmd += ["--peers", opts[PEERS_FLAG], "--node", str(node), "--nnodes", str(nnodes)]

@@ -8,11 +8,14 @@ optimizer's step, and steps its own optimizer with it, on a background thread.
 
 Exactness: the input is the reduced gradient shard, cast to fp32 as megatron casts it
 (``.float()``), multiplied by the clipping coefficient when megatron clipped (the same
-``grad * coeff`` product), with the learning rate and weight decay of every param group. The
-replica's optimizer is the training optimizer's class with the same options (torch ``AdamW``
-without transformer-engine or apex), so on CPU the replica is bit-identical to the training state.
-On GPU the host kernels may round differently from the device's fused ones; the replica is then
-re-anchored from the device state (:meth:`ReplicaMerger.anchor`) at every persisted base.
+``grad * coeff`` product), with the learning rate and weight decay of every param group.
+Where training runs on the CPU, the replica's optimizer is the training optimizer's class with
+the same options (torch ``AdamW`` without transformer-engine or apex), so the replica is
+bit-identical to the training state. Where training runs on GPUs no host kernel matches the
+device's bit for bit, so the replica steps with the fastest one, torch's fused CPU Adam
+(:func:`replica_kernel`), and is re-anchored from the device state
+(:meth:`ReplicaMerger.anchor`) at every persisted base; the drift between anchors is bounded
+in the tests.
 
 Optionally each merged step's optimizer input also goes to the diff log (a dense, exact
 differential), so that recovery can replay past the newest persisted base.
@@ -95,23 +98,52 @@ def _host_copy(t: torch.Tensor, _name: str = "") -> torch.Tensor:
 Alloc = Callable[[torch.Tensor, str], torch.Tensor]
 
 
+KERNELS = ("auto", "exact", "fused")
+"""How a host replica steps (:func:`replica_kernel`)."""
+
+# The hyper-parameters a fused host replica takes from the training optimizer's groups.
+_ADAM_OPTIONS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def replica_kernel(opt: torch.optim.Optimizer, kernel: str = "auto") -> str:
+    """The kernel a host replica of ``opt`` steps with: ``"exact"``, the training optimizer's
+    own class and options, bit-identical to it where training runs on the CPU (torch
+    ``Adam``/``AdamW`` over CPU tensors); ``"fused"``, torch's fused CPU ``AdamW`` (or
+    ``Adam``), about 5x the default CPU kernel per thread, where no host kernel can match the
+    training step bit for bit anyway (parameters on a GPU, or transformer-engine's or apex's
+    fused Adam): the replica then drifts from the device state by rounding, and is re-anchored
+    to it at every base. ``kernel``: ``"auto"`` (that choice), or either name to force it
+    (``"exact"`` of an optimizer that is not torch's is refused)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"replica kernel must be one of {KERNELS}, got {kernel!r}")
+    torch_adam = type(opt) in _TORCH_ADAM
+    if kernel == "exact" and not torch_adam:
+        raise ValueError(f"no exact host kernel for {type(opt).__name__}: use 'fused'")
+    if kernel != "auto":
+        return kernel
+    on_cpu = all(p.device.type == "cpu" for g in opt.param_groups for p in g["params"])
+    return "exact" if torch_adam and on_cpu else "fused"
+
+
 def replica_of(
-    opt: torch.optim.Optimizer, alloc: Alloc = _host_copy, prefix: str = ""
+    opt: torch.optim.Optimizer, alloc: Alloc = _host_copy, prefix: str = "", kernel: str = "auto"
 ) -> torch.optim.Optimizer:
-    """A host optimizer with ``opt``'s parameters, options and state, copied."""
+    """A host optimizer with ``opt``'s parameters, options and state, copied, stepping with
+    :func:`replica_kernel` (``kernel``)."""
     groups = []
     for g, group in enumerate(opt.param_groups):
         options = {k: v for k, v in group.items() if k != "params"}
         params = [alloc(p, f"{prefix}g{g}.p{k}") for k, p in enumerate(group["params"])]
         groups.append({"params": params, **options})
-    if type(opt) in _TORCH_ADAM:
+    if replica_kernel(opt, kernel) == "exact":
         replica = type(opt)(groups)
     else:
-        # transformer-engine / apex fused Adam: the host replica is torch AdamW with the same
-        # hyper-parameters (drift is bounded by re-anchoring at every base).
-        keys = ("lr", "betas", "eps", "weight_decay")
-        replica = torch.optim.AdamW(
-            [{"params": g["params"], **{k: g[k] for k in keys if k in g}} for g in groups]
+        # Adam's update decoupled from weight decay, as megatron configures transformer-engine's
+        # and apex's fused Adam (adam_w_mode); torch's own Adam keeps its class.
+        cls = type(opt) if type(opt) in _TORCH_ADAM else torch.optim.AdamW
+        replica = cls(
+            [{"params": g["params"], **{k: g[k] for k in _ADAM_OPTIONS if k in g}} for g in groups],
+            fused=True,
         )
     _copy_state(opt, replica, into_existing=False, alloc=alloc, prefix=prefix)
     return replica

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from launch import LAUNCH
 
-from megatron_diffckpt.launch import launcher_options, node_of
+from megatron_diffckpt.launch import launcher_options, node_of, node_ranks
 
 TORCHRUN = ["--standalone", "--nproc-per-node", "2", "train.py", "--keeper-memory", "1"]
 
@@ -42,6 +42,10 @@ def test_the_ring_folder_comes_with_the_cap():
          "--diffckpt-keeper-memory was retired; use --keeper-memory"),
         (["--keeper-memory", "8", "--diffckpt-keeper-peers", "/p"],
          "--diffckpt-keeper-peers was retired; use --keeper-peers"),
+        (["--keeper-merge-threads", "4", *TORCHRUN],
+         "--keeper-merge-threads needs --keeper-memory"),
+        (["--keeper-memory", "8", "--keeper-merge-threads", "0", *TORCHRUN],
+         "--keeper-merge-threads takes a number of threads, got 0"),
     ],
 )  # fmt: skip
 def test_bad_input_stops_it_in_one_line(argv, said):
@@ -53,6 +57,16 @@ def test_bad_input_stops_it_in_one_line(argv, said):
 
 def test_the_node_comes_from_torchruns_flags_before_the_script():
     assert node_of(["--nnodes", "1:4", "--node-rank=2", "train.py", "--node-rank", "9"]) == (2, 4)
+
+
+def test_the_keepers_merge_threads_and_the_nodes_ranks_come_with_it(monkeypatch):
+    opts, rest = launcher_options(["--keeper-memory", "8", "--keeper-merge-threads=6", *TORCHRUN])
+    assert opts == {"--keeper-memory": "8", "--keeper-merge-threads": "6"} and rest == TORCHRUN
+    assert node_ranks(TORCHRUN) == 2
+    assert node_ranks(["--nproc_per_node=8", "train.py", "--nproc-per-node", "3"]) == 8
+    assert node_ranks(["train.py"]) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert node_ranks(["--nproc-per-node", "gpu", "train.py"]) == 4
 
 
 def test_the_console_script_shows_its_help_and_refuses_a_retired_flag():

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt import merge_threads
 from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.keeper.logs import open_log
@@ -230,6 +231,10 @@ class HostedReplica:
         return released
 
     def _merge_held(self) -> list[int]:
+        with merge_threads.merging():  # within the keeper's thread budget
+            return self._merge_held_now()
+
+    def _merge_held_now(self) -> list[int]:
         held, self.held = self.held, None
         if held is None:
             return []

@@ -58,6 +58,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from megatron_diffckpt import merge_threads
 from megatron_diffckpt.background import lower_priority
 from megatron_diffckpt.keeper.protocol import Op
 from megatron_diffckpt.keeper.shm import (
@@ -75,6 +76,7 @@ from megatron_diffckpt.keeper.wire import (
     recv_header,
     send,
 )
+from megatron_diffckpt.merge_threads import default_threads
 
 logger = logging.getLogger(__name__)
 
@@ -486,13 +488,29 @@ def main(argv: list[str] | None = None) -> int:
         help="the folder for LowDiff+ replicas (created, removed at the end; default: a fresh "
         "one in /dev/shm)",
     )
+    parser.add_argument(
+        "--merge-threads",
+        type=int,
+        default=None,
+        help="CPU threads for the replicas' merges, all ranks together (default: half the CPUs "
+        "this process may run on)",
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=1, help="the node's ranks, whose merges share the threads"
+    )
     args = parser.parse_args(argv)
+    if args.merge_threads is not None and args.merge_threads < 1:
+        parser.error(f"--merge-threads must be at least 1, got {args.merge_threads}")
+    if args.ranks < 1:
+        parser.error(f"--ranks must be at least 1, got {args.ranks}")
     if args.memory_mib <= 0:
         parser.error(f"--memory-mib must be positive, got {args.memory_mib}")
     if not 0 <= args.node < args.nnodes:
         parser.error(f"--node {args.node} is not one of the {args.nnodes} node(s)")
     logging.basicConfig(level=logging.INFO, format="[keeper] %(message)s", stream=sys.stderr)
     started = time.perf_counter()
+    threads = merge_threads.configure(args.merge_threads or default_threads(), args.ranks)
+    logger.info("keeper: merges get %r", threads)
     peers = None
     if args.peers is not None:
         peers = {"folder": args.peers, "node": args.node, "nnodes": args.nnodes}
