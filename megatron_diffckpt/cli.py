@@ -33,7 +33,13 @@ from megatron_diffckpt.keeper.client import ENV as KEEPER_ENV
 from megatron_diffckpt.keeper.client import query as keeper_query
 from megatron_diffckpt.offline_merge import MergeError, merge_base
 from megatron_diffckpt.progress import Progress
-from megatron_diffckpt.scale_plan import JobSpec, compare, expected_loss_hours
+from megatron_diffckpt.scale_plan import (
+    MERGE_BYTES,
+    JobSpec,
+    compare,
+    expected_loss_hours,
+    host_merge_s,
+)
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import (
     list_rank_dirs,
@@ -363,6 +369,8 @@ def _tune(args: argparse.Namespace) -> int:
                     "batch_size": plan.batch_size,
                     "overhead": plan.overhead,
                     "lost_hours": expected_loss_hours(plan, hours),
+                    "host_merge_s": host_merge_s(job),
+                    "host_merge_bandwidth": job.host_merge_bandwidth,
                 }
             )
     if args.json:
@@ -374,13 +382,19 @@ def _tune(args: argparse.Namespace) -> int:
             f"{args.train_days:g} days of training; failures: one per "
             f"{args.gpu_hours_per_failure:,.0f} GPU-hours"
         )
-        print(f"{'GPUs':>6} {'MTBF h':>7}  {'strategy':25} {'F':>7} {'B':>4} {'overhead':>9} "
-              f"{'lost h':>8}")  # fmt: skip
+        print(
+            f"host s: a node's replica steps per iteration (LowDiff+, LowDiff's keeper replicas), "
+            f"{MERGE_BYTES:g} bytes per shard parameter at {args.host_merge_bandwidth / 1e9:g} "
+            "GB/s (--host-merge-bandwidth; benchmarks/host_merge.py measures a host's); training "
+            "waits for what exceeds an iteration"
+        )
+        print(f"{'GPUs':>6} {'MTBF h':>7} {'host s':>7}  {'strategy':25} {'F':>7} {'B':>4} "
+              f"{'overhead':>9} {'lost h':>8}")  # fmt: skip
         for r in rows:
             print(
-                f"{r['gpus']:>6} {r['mtbf_hours']:>7.2f}  {r['strategy']:25} "
-                f"{r['full_interval']:>7} {r['batch_size']:>4} {r['overhead']:>9.2%} "
-                f"{r['lost_hours']:>8.1f}"
+                f"{r['gpus']:>6} {r['mtbf_hours']:>7.2f} {r['host_merge_s']:>7.2f}  "
+                f"{r['strategy']:25} {r['full_interval']:>7} {r['batch_size']:>4} "
+                f"{r['overhead']:>9.2%} {r['lost_hours']:>8.1f}"
             )
     if args.plot:
         _plot_sweep(rows, args.plot)

@@ -16,7 +16,14 @@ each at its own best setting:
   iterations since the newest base are recomputed, with bases as frequent as storage writes
   them. The log's bytes grow with the shard (7B parameters at DP=8: 3.5 GB per rank and
   iteration), so where storage cannot take them every iteration, bases only wins.
-  :func:`lowdiff_plus_choice` says which.
+  :func:`lowdiff_plus_choice` says which. **The host counts**: a node's host steps every
+  rank's replica with every iteration's gradients, :data:`MERGE_BYTES` of memory traffic per
+  parameter of the node's shards (7B parameters on one node of 8 GPUs: 224 GB per iteration)
+  at ``host_merge_bandwidth``; the snapshot slots let the merge lag by an iteration or two,
+  but where the host needs longer than an iteration, training runs at the host's pace
+  (:func:`merge_wait_s`, on the training path of both ways, of LowDiff+ in keepers and of
+  LowDiff's keeper replicas). **Without a replica** (``LowDiff+ (no replica)``): no merge;
+  bases are staged from the device (a stall, as LowDiff's), the dense log between them.
 - **full checkpointing**: stock async saves only; after a failure the iterations since the newest
   checkpoint are recomputed.
 - **with the node keepers** (:mod:`~megatron_diffckpt.keeper`): a share ``kept_share`` of the
@@ -25,7 +32,8 @@ each at its own best setting:
   newest base from the keeper (none lost; replay as from storage). ``LowDiff + keeper
   replicas`` (``--diffckpt-option keeper_replica``): the keeper's replica of the shard, stepped with
   every differential (a host-to-device copy, no replay; around the ring too); its one
-  optimizer step per iteration runs on the host, off the training path, and is not counted.
+  optimizer step per iteration runs on the host, off the training path, counted as
+  LowDiff+'s merge where the host needs longer than an iteration.
   ``LowDiff+ in keepers`` (``--diffckpt-option keeper_replica``): the replica from the keeper
   (a host-to-device copy of the shard's fp32 parameters and moments, no base, no replay) and
   bases only to storage (no dense log), which serve the other failures. With the keepers' ring
@@ -106,6 +114,10 @@ class JobSpec:
     """GPUs (ranks) per node: one keeper's share of the job."""
     peer_bandwidth: float = 12.5e9
     """Bytes/s between two nodes' keepers (the host network, 100 Gb/s)."""
+    host_merge_bandwidth: float = 100e9
+    """Host memory bandwidth one node's replica steps get, bytes/s: a share of what the host
+    streams (a dual-socket server, about 300 GB/s; benchmarks/host_merge.py measures a
+    host's)."""
 
     def __post_init__(self) -> None:
         if self.gpus % (self.tensor_parallel * self.pipeline_parallel):
@@ -128,6 +140,8 @@ class JobSpec:
             )
         if self.gpus_per_node < 1 or self.peer_bandwidth <= 0:
             raise ValueError("gpus_per_node must be >= 1 and peer_bandwidth > 0")
+        if self.host_merge_bandwidth <= 0:
+            raise ValueError("host_merge_bandwidth must be > 0")
 
     @property
     def data_parallel(self) -> int:
@@ -152,8 +166,45 @@ def lowdiff_inputs(job: JobSpec) -> CostInputs:
     return _inputs(job, diff_bytes=job.shard_params * kept * 8.0, base_stall=True)
 
 
+MERGE_BYTES = 32.0
+"""Host memory traffic per shard parameter and iteration of a replica's step: the gradient
+written to host memory (LowDiff+'s snapshot, LowDiff's differential expanded; 4 bytes), and
+Adam's step (parameter, gradient and both moments read, 16; three written, 12), all fp32."""
+
+
+def host_merge_s(job: JobSpec) -> float:
+    """Seconds a node's host needs, per iteration, to step every rank's replica
+    (:data:`MERGE_BYTES` per parameter of the node's shards at ``host_merge_bandwidth``):
+    memory-bound, whatever the thread count once it saturates."""
+    return job.gpus_per_node * job.shard_params * MERGE_BYTES / job.host_merge_bandwidth
+
+
+def snapshot_s(job: JobSpec) -> float:
+    """Seconds one GPU's device-to-host copy of its reduced gradient shard takes per
+    iteration (4 bytes per shard parameter at ``staging_bandwidth``), overlapped with the
+    backward pass."""
+    return job.shard_params * 4.0 / job.staging_bandwidth
+
+
+def merge_wait_s(job: JobSpec, replica: bool = True) -> float:
+    """What LowDiff+ adds to each iteration on the training path: the snapshot copy or, with a
+    replica, the host's merge, beyond the iteration they overlap (the snapshot slots bound how
+    far the host may lag; in the steady state training runs at the slower of the two)."""
+    host = max(snapshot_s(job), host_merge_s(job)) if replica else snapshot_s(job)
+    return max(0.0, host - job.iteration_s)
+
+
 def lowdiff_plus_inputs(job: JobSpec) -> CostInputs:
-    return _inputs(job, diff_bytes=job.shard_params * 4.0, base_stall=False)
+    """LowDiff+ with a host replica: bases from it (no device stall), the merge counted."""
+    c = _inputs(job, diff_bytes=job.shard_params * 4.0, base_stall=False)
+    return replace(c, merge_wait_s=merge_wait_s(job))
+
+
+def lowdiff_plus_device_inputs(job: JobSpec) -> CostInputs:
+    """LowDiff+ without a replica: no host merge; bases staged from the device state (a stall,
+    as LowDiff's and full checkpointing's), the dense log between them."""
+    c = _inputs(job, diff_bytes=job.shard_params * 4.0, base_stall=True)
+    return replace(c, merge_wait_s=merge_wait_s(job, replica=False))
 
 
 def _inputs(job: JobSpec, diff_bytes: float, base_stall: bool) -> CostInputs:
@@ -213,6 +264,7 @@ LOWDIFF_PLUS_BASES = "LowDiff+ (bases only)"
 LOWDIFF_KEEPERS = "LowDiff + keepers"
 LOWDIFF_KEEPER_REPLICAS = "LowDiff + keeper replicas"
 LOWDIFF_PLUS_KEEPERS = "LowDiff+ in keepers"
+LOWDIFF_PLUS_DEVICE = "LowDiff+ (no replica)"
 
 
 def lowdiff_plus_plans(c: CostInputs, max_interval: int = 1_000_000) -> dict[str, Plan]:
@@ -239,15 +291,21 @@ def lowdiff_plus_choice(c: CostInputs, plans: dict[str, Plan]) -> str:
 def compare(job: JobSpec) -> dict[str, Plan]:
     """Each strategy at its own best (F, B): storage only, and with the node keepers
     (LowDiff's differentials and newest base in them, or also its replica; LowDiff+'s replica
-    in them, with bases only to storage)."""
+    in them, with bases only to storage); the host's replica steps counted, and LowDiff+
+    without a replica."""
     plus = lowdiff_plus_inputs(job)
+    lowdiff = lowdiff_inputs(job)
+    # LowDiff's replica in the keeper: one Adam step of the whole shard per iteration, the
+    # host's as LowDiff+'s merge
+    stepped = replace(lowdiff, merge_wait_s=max(0.0, host_merge_s(job) - job.iteration_s))
     return {
         "LowDiff": optimize(lowdiff_inputs(job)),
         LOWDIFF_KEEPERS: optimize(with_keepers(job, lowdiff_inputs(job), replica=False)),
         LOWDIFF_KEEPER_REPLICAS: optimize(
-            with_keepers(job, lowdiff_inputs(job), replica=False, lowdiff_replica=True)
-        ),
+            with_keepers(job, stepped, replica=False, lowdiff_replica=True)
+        ),  # fmt: skip
         **lowdiff_plus_plans(plus),
+        LOWDIFF_PLUS_DEVICE: optimize(lowdiff_plus_device_inputs(job)),
         LOWDIFF_PLUS_KEEPERS: full_checkpointing(with_keepers(job, plus, replica=True)),
         "full checkpointing": full_checkpointing(full_inputs(job)),
     }

@@ -7,6 +7,8 @@ write), and on measured costs:
 =====================  ==========================================================================
 ``iteration_s``        :math:`a`, one iteration without checkpointing
 ``diff_s``             :math:`c_0`, capturing and handing off one differential (training path)
+``merge_wait_s``       :math:`h`, training waiting per iteration for the host's replica steps
+                       (LowDiff+'s merge where the host needs longer than an iteration)
 ``diff_bytes``         :math:`s`, one differential of one rank
 ``write_bandwidth``    :math:`\beta`, bytes/s of the background writer
 ``write_latency_s``    :math:`L`, fixed cost of one write (open, fsync, rename, directory fsync)
@@ -24,7 +26,8 @@ write), and on measured costs:
 produces B differentials every :math:`B(a + c_0)` seconds; if the writer needs longer, training
 waits (``--diffckpt-when-full block``) for the difference. So one iteration costs
 
-.. math:: t(B) = a + c_0 + \kappa\,\frac{w(B)}{B} + \max\Big(0, \frac{w(B)}{B} - (a + c_0)\Big)
+.. math:: t(B) = a + c_0 + h + \kappa\,\frac{w(B)}{B}
+                + \max\Big(0, \frac{w(B)}{B} - (a + c_0 + h)\Big)
 
 and a base adds :math:`c_b(F)/F` per iteration, where
 :math:`c_b(F) = c_b + \max(0, p - F\,t(B))`: one base is persisted at a time, so a base whose
@@ -98,6 +101,9 @@ class CostInputs:
     """a: one training iteration without checkpointing."""
     diff_s: float = 0.0
     """c0: capturing and handing off one differential, on the training path."""
+    merge_wait_s: float = 0.0
+    """h: training waiting, per iteration, for the host's replica steps (kept with bases
+    only: the replica is stepped either way)."""
     diff_bytes: float = 0.0
     """s: bytes of one iteration's differential of one rank."""
     write_bandwidth: float = 1e9
@@ -144,7 +150,8 @@ class CostInputs:
     def __post_init__(self) -> None:
         if self.iteration_s <= 0:
             raise ValueError(f"iteration_s must be > 0, got {self.iteration_s}")
-        for name in ("diff_s", "diff_bytes", "write_latency_s", "write_interference"):
+        for name in ("diff_s", "merge_wait_s", "diff_bytes", "write_latency_s",
+                     "write_interference"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("base_stall_s", "base_persist_s", "base_load_s", "replay_s", "restart_s"):
@@ -194,7 +201,7 @@ def write_s(c: CostInputs, batch: int) -> float:
 
 def step_s(c: CostInputs, batch: int) -> float:
     """t(B): one iteration on the training path, differential and writer back-pressure included."""
-    produce = c.iteration_s + c.diff_s
+    produce = c.iteration_s + c.diff_s + c.merge_wait_s
     per_diff = write_s(c, batch) / batch
     return produce + c.write_interference * per_diff + max(0.0, per_diff - produce)
 

@@ -95,6 +95,7 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         "LowDiff",
         "LowDiff+ (diff log)",
         "LowDiff+ (bases only)",
+        "LowDiff+ (no replica)",
         "LowDiff + keepers",
         "LowDiff + keeper replicas",
         "LowDiff+ in keepers",
@@ -109,11 +110,18 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         (r["full_interval"] for r in full), reverse=True
     )
     assert [r["lost_hours"] for r in full] == sorted(r["lost_hours"] for r in full)
-    # With the keepers serving half the failures from host memory, each system loses less.
+    # With the keepers serving half the failures from host memory, each system loses less;
+    # the replicas only where each node's host steps its shards within an iteration (70B on
+    # 8 or 16 GPUs: 70 or 35B parameters per node, 22 or 11 s at 100 GB/s, per 10 s iteration).
     for g in gpus:
         lost = {r["strategy"]: r["lost_hours"] for r in by_gpus[g]}
-        assert lost["LowDiff + keeper replicas"] < lost["LowDiff + keepers"] < lost["LowDiff"]
+        assert lost["LowDiff + keepers"] < lost["LowDiff"]
         assert lost["LowDiff+ in keepers"] < lost["LowDiff+ (bases only)"]
+        keeps_up = by_gpus[g][0]["host_merge_s"] <= 10.0
+        assert keeps_up == (g >= 32), g
+        assert (lost["LowDiff + keeper replicas"] < lost["LowDiff + keepers"]) == keeps_up, g
+        if not keeps_up:  # training at the host's pace: LowDiff+ without a replica is not
+            assert lost["LowDiff+ (no replica)"] < lost["LowDiff+ (bases only)"] / 100
 
 
 def test_tune_with_the_keepers_ring_loses_less_than_without(capsys):

@@ -9,19 +9,25 @@ setting of a brute-force grid, across failure rates and cost profiles.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
 from failure_sim import mean_wall_per_iteration
 
 from megatron_diffckpt.scale_plan import (
+    LOWDIFF_KEEPER_REPLICAS,
     LOWDIFF_PLUS_BASES,
+    LOWDIFF_PLUS_DEVICE,
+    LOWDIFF_PLUS_KEEPERS,
     LOWDIFF_PLUS_LOG,
     JobSpec,
     compare,
+    host_merge_s,
     lowdiff_plus_choice,
     lowdiff_plus_inputs,
     lowdiff_plus_plans,
+    merge_wait_s,
 )
 from megatron_diffckpt.tuning import (
     CostInputs,
@@ -166,8 +172,10 @@ def test_bad_inputs_are_refused_by_name(field, value):
 
 
 def test_lowdiff_plus_keeps_the_diff_log_only_where_storage_takes_it():
-    # 7B parameters at DP=8 (TP=PP=1): a dense differential is 3.5 GB per rank and iteration.
-    job = dict(params=7e9, gpus=8, tensor_parallel=1, pipeline_parallel=1, iteration_s=2.0)
+    # 7B parameters at DP=8 (TP=PP=1): a dense differential is 3.5 GB per rank and iteration;
+    # a host that steps the node's replicas within an iteration (0.56 s at 400 GB/s).
+    job = dict(params=7e9, gpus=8, tensor_parallel=1, pipeline_parallel=1, iteration_s=2.0,
+               host_merge_bandwidth=400e9)  # fmt: skip
     slow = compare(JobSpec(**job, storage_bandwidth=10e9))  # 1.25 GB/s per rank: 2.8 s a diff
     fast = compare(JobSpec(**job, storage_bandwidth=500e9))  # 62.5 GB/s per rank: 56 ms a diff
     log, bases = slow[LOWDIFF_PLUS_LOG], slow[LOWDIFF_PLUS_BASES]
@@ -276,3 +284,37 @@ def test_a_keepers_share_outside_zero_to_one_is_refused():
         CostInputs(**BASE, kept_share=0.8, peer_share=0.3)
     with pytest.raises(ValueError, match="peer_fetch_s"):
         CostInputs(**BASE, peer_share=0.1, peer_fetch_s=-1.0)
+
+
+def test_the_host_that_steps_the_replicas_is_counted_and_without_a_replica_lowdiff_plus_is_not():
+    # 7B parameters on one node of 8 GPUs, 2 s per iteration: the node's host steps 7B
+    # parameters per iteration, 32 bytes each (224 GB).
+    job = dict(params=7e9, gpus=8, tensor_parallel=1, pipeline_parallel=1, iteration_s=2.0)
+    slow_host = JobSpec(**job, host_merge_bandwidth=100e9)
+    fast_host = JobSpec(**job, host_merge_bandwidth=400e9)
+    assert host_merge_s(slow_host) == pytest.approx(2.24) and host_merge_s(fast_host) == 0.56
+    assert merge_wait_s(slow_host) == pytest.approx(0.24) and merge_wait_s(fast_host) == 0.0
+    slow, fast = compare(slow_host), compare(fast_host)
+    replicas = (LOWDIFF_PLUS_LOG, LOWDIFF_PLUS_BASES, LOWDIFF_PLUS_KEEPERS, LOWDIFF_KEEPER_REPLICAS)
+    for name in replicas:  # training runs at the host's pace: 2.24 s per 2 s iteration
+        assert slow[name].overhead >= 0.12 - 1e-9, name
+        assert fast[name].overhead < 0.01, name
+    # Without a replica nothing waits for the host: the plan to run on that host.
+    assert slow[LOWDIFF_PLUS_DEVICE].overhead < 0.01
+    assert min(slow, key=lambda k: slow[k].overhead) not in replicas
+    # Less traffic per node (more GPUs, each node's shards smaller) and the wait is gone.
+    spread = JobSpec(**{**job, "gpus": 64}, host_merge_bandwidth=100e9)
+    assert host_merge_s(spread) == pytest.approx(0.28) and merge_wait_s(spread) == 0.0
+
+
+def test_tune_names_the_host_bandwidth_it_assumes(capsys):
+    from megatron_diffckpt.cli import main
+
+    argv = ["tune", "--params", "7e9", "--gpus", "8", "--tensor-parallel", "1",
+            "--pipeline-parallel", "1", "--iteration-s", "2",
+            "--host-merge-bandwidth", "1e11"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "32 bytes per shard parameter at 100 GB/s (--host-merge-bandwidth" in out
+    assert re.search(r" 2\.24  LowDiff\+ \(no replica\) +\d+ +\d+ +0\.0\d%", out), out
+    assert re.search(r" 2\.24  LowDiff\+ in keepers +\d+ +\d+ +12\.0\d%", out), out
