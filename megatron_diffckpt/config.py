@@ -85,10 +85,20 @@ class DiffCkptOptions:
     that did not arrive and where each was last (Megatron-LM's --distributed-timeout-minutes
     is 10 minutes too)."""
 
+    max_merge_wait_ms: int = 0
+    """lowdiff-plus: how long training may wait, in one iteration, for its merger to free a
+    snapshot slot. Past that, LowDiff+ stops merging until the next base instead of slowing
+    training to the merger's pace: the iterations in between are neither merged nor logged
+    (durability waits for that base, as under --diffckpt-when-full skip), and the base is
+    staged from the training state. 0: wait as long as it takes (every iteration merged and
+    logged). The replica then lives in the rank (keeper_replica auto: off)."""
+
     def __post_init__(self) -> None:
         for name in ("max_pending", "host_memory_budget", "retune_interval", "collective_timeout"):
             if getattr(self, name) < 1:
                 raise DiffCkptUsageError(f"--diffckpt-option {name} must be >= 1")
+        if self.max_merge_wait_ms < 0:
+            raise DiffCkptUsageError("--diffckpt-option max_merge_wait_ms must be >= 0")
 
     @classmethod
     def parse(cls, items: list[str] | None) -> DiffCkptOptions:
@@ -204,7 +214,7 @@ class DiffCkptConfig:
     """NAME=VALUE[,NAME=VALUE] (repeatable): fine-grained settings for tests, benchmarks and
     experts, each documented in the flag reference: max_pending, host_memory_budget,
     retune_interval, buffered_io, diff_log, keeper_kept_bases, keeper_writes_log,
-    keeper_replica, keeper_writes_bases, collective_timeout."""
+    keeper_replica, keeper_writes_bases, collective_timeout, max_merge_wait_ms."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -272,6 +282,17 @@ class DiffCkptConfig:
                 "--diffckpt-auto-tune (the keeper writes the diff log; the tuner measures the "
                 "ranks' writer)"
             )
+        if o.max_merge_wait_ms and self.when_full == "strict":
+            return (
+                "--diffckpt-option max_merge_wait_ms lets LowDiff+ leave iterations unlogged "
+                "until the next base; --diffckpt-when-full strict keeps every one within B of "
+                "storage: choose one"
+            )
+        if o.max_merge_wait_ms and (not plus or o.keeper_replica):
+            return (
+                "--diffckpt-option max_merge_wait_ms is for lowdiff-plus with its replica in the "
+                "rank (drop keeper_replica=true)"
+            )
         if o.keeper_writes_bases and not (plus and self.keeper_plan().replica):
             return (
                 "--diffckpt-option keeper_writes_bases=true is for lowdiff-plus with its replica "
@@ -310,9 +331,8 @@ class DiffCkptConfig:
                 writes_log=o.keeper_writes_log is not False and not strict,
                 replica=kept and o.keeper_replica is not False,
             )
-        replica = (
-            o.keeper_replica if o.keeper_replica is not None else not (self.auto_tune or strict)
-        )
+        in_rank = self.auto_tune or strict or o.max_merge_wait_ms > 0  # measured or bounded there
+        replica = o.keeper_replica if o.keeper_replica is not None else not in_rank
         return KeeperPlan(replica=replica, writes_bases=replica and o.keeper_writes_bases)
 
     def forced(self, option: str) -> bool:

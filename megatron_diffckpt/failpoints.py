@@ -22,6 +22,12 @@ The points:
   (:mod:`~megatron_diffckpt.keeper.base_stager`, on the staging thread, before the next
   optimizer step; an asynchronous save not yet published).
 
+*Delay points* slow a place down instead, to test what happens when it cannot keep up
+(``DIFFCKPT_DELAY="merge:0.5@0"``: rank 0 sleeps half a second there each time):
+
+- ``merge``: LowDiff+'s merger is about to step the replica with an iteration
+  (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger`, its thread).
+
 The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
 hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one
 comparison. The process writes one line to stderr (``failpoint NAME #N: SIGKILL of rank R``)
@@ -35,6 +41,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 ENV = "DIFFCKPT_FAILPOINT"
 POINTS = ("segment-write", "replay", "plus-hand-over", "iteration-end", "base-kept")
@@ -54,6 +61,34 @@ def _parse(spec: str) -> tuple[str, int, int | None] | None:
 _armed = _parse(os.environ.get(ENV, ""))
 _hits = 0
 _lock = threading.Lock()
+
+
+DELAY_ENV = "DIFFCKPT_DELAY"
+DELAYS = ("merge",)
+_DELAY_SPEC = re.compile(r"(?P<name>[a-z-]+):(?P<s>\d+(?:\.\d+)?)(?:@(?P<rank>\d+))?")
+
+
+def _parse_delay(spec: str) -> tuple[str, float, int | None] | None:
+    if not spec:
+        return None
+    m = _DELAY_SPEC.fullmatch(spec.strip())
+    if m is None or m["name"] not in DELAYS:
+        raise ValueError(
+            f"{DELAY_ENV}={spec!r}: expected NAME:SECONDS[@RANK] with NAME one of {DELAYS}"
+        )
+    return m["name"], float(m["s"]), None if m["rank"] is None else int(m["rank"])
+
+
+_delay = _parse_delay(os.environ.get(DELAY_ENV, ""))
+
+
+def delay(name: str) -> None:
+    """This process is at delay point ``name``: sleep there if the spec says so."""
+    if _delay is None or _delay[0] != name:
+        return
+    if _delay[2] is not None and _delay[2] != int(os.environ.get("RANK", "0")):
+        return
+    time.sleep(_delay[1])
 
 
 def reach(name: str) -> None:

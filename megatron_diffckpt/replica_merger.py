@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.out_of_space import StorageFullError
@@ -86,6 +87,10 @@ class MergeJob:
     rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None
     """RNG states at the end of the iteration; ``None`` when this iteration's differential is not
     logged (no diff log, or LowDiff+ stopped it)."""
+    dropped: bool = False
+    """Not snapshotted (the merger was too far behind, ``max_merge_wait_ms``): the replica is
+    not stepped with it, nor with any iteration until it is anchored again, and the diff log
+    skips it."""
 
 
 def _host_copy(t: torch.Tensor, _name: str = "") -> torch.Tensor:
@@ -200,6 +205,15 @@ def _copy_state(
                 }
 
 
+@dataclass
+class _Anchor:
+    """A job for the merger: the replica becomes ``sources`` (the training state after
+    ``iteration``)."""
+
+    sources: list[torch.optim.Optimizer | None]
+    iteration: int
+
+
 class QueuedMerges:
     """What both mergers share (in-process :class:`ReplicaMerger`, and the keeper's
     :class:`~megatron_diffckpt.keeper.replica_client.KeeperReplicaMerger`): merge jobs queued to one
@@ -292,6 +306,14 @@ class ReplicaMerger(QueuedMerges):
         self.optimizers = refresh_replicas(torch_optimizers, self.optimizers)
         self._set_merged(iteration)
 
+    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        """Make the replica equal to ``sources`` (a copy of the training state after
+        ``iteration``, left unchanged until this is merged) once the jobs queued before are
+        handled, on the merger's thread: the training thread does not wait for them. The
+        training thread."""
+        self._raise_background_error()
+        self._worker.put(_Anchor(sources, iteration))
+
     def wait_merged(self, iteration: int) -> float:
         """Block until ``iteration`` is merged; returns the seconds waited."""
         start = time.perf_counter()
@@ -302,18 +324,26 @@ class ReplicaMerger(QueuedMerges):
         return time.perf_counter() - start
 
     # ----------------------------------------------------------------- merger thread
-    def _merge_job(self, job: MergeJob) -> None:
+    def _merge_job(self, job: MergeJob | _Anchor) -> None:
         start = time.perf_counter()
-        self._merge(job)
+        if isinstance(job, _Anchor):
+            self.optimizers = refresh_replicas(job.sources, self.optimizers)
+        else:
+            self._merge(job)
         self.merge_seconds += time.perf_counter() - start
         self._set_merged(job.iteration)
 
-    def _drop(self, item: MergeJob) -> None:
-        if item.slot is not None:
+    def _drop(self, item: MergeJob | _Anchor) -> None:
+        if isinstance(item, MergeJob) and item.slot is not None:
             self.snapshotter.release(item.slot)
 
     @torch.no_grad()
     def _merge(self, job: MergeJob) -> None:
+        if job.dropped:
+            if self._logs(job):
+                self.writer.skip(job.iteration)
+            return
+        failpoints.delay("merge")
         try:
             if job.slot is not None:
                 job.slot.wait_ready()

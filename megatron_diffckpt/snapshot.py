@@ -182,6 +182,12 @@ class BucketSnapshotter:
         waits there for the previous iteration's hand-over
         (:meth:`~megatron_diffckpt.keeper.replica_client.KeeperReplicaMerger.attach`). Its time
         counts in :attr:`slot_wait_seconds`."""
+        self.max_wait_s: float | None = None
+        """How long the training thread may wait for a free slot; past it the snapshotter
+        pauses (:attr:`paused`) instead. ``None``: as long as it takes."""
+        self.paused = False
+        """No slot is taken and nothing copied until :meth:`resume`: the iteration whose
+        first bucket found no slot within :attr:`max_wait_s`, and those after it."""
         self._path_seconds = 0.0
         self.iteration_path_seconds = 0.0
         """Training-thread time spent here in the last finished iteration: issuing copies,
@@ -201,6 +207,10 @@ class BucketSnapshotter:
         self._slot()
         self._path_seconds += time.perf_counter() - start
 
+    def resume(self) -> None:
+        """Take slots and copy again, from the next iteration on. The training thread."""
+        self.paused = False
+
     def on_bucket_ready(self, key: str, source: torch.Tensor, handle: Any = None) -> None:
         """The reduction of bucket ``key`` was started (``handle``) or is done (``None``).
 
@@ -209,6 +219,9 @@ class BucketSnapshotter:
         """
         start = time.perf_counter()
         slot = self._slot()
+        if slot is None:  # paused: nothing of this iteration is copied
+            self._path_seconds += time.perf_counter() - start
+            return
         if key not in slot.buffers:
             raise KeyError(f"unknown bucket {key!r}; known: {sorted(slot.buffers)[:8]}")
         job = _CopyJob(key, source, handle)
@@ -304,8 +317,10 @@ class BucketSnapshotter:
             self._trace = StageTrace(iteration=-1, start=time.perf_counter())
         return self._trace
 
-    def _slot(self) -> SnapshotSlot:
+    def _slot(self) -> SnapshotSlot | None:
         self._ensure_trace()
+        if self.paused:
+            return None
         if self._current is None:
             if self.before_iteration is not None:
                 start = time.perf_counter()
@@ -315,7 +330,12 @@ class BucketSnapshotter:
                 index = self._free.get_nowait()
             except queue.Empty:
                 start = time.perf_counter()
-                index = self._free.get()
+                try:
+                    index = self._free.get(timeout=self.max_wait_s)
+                except queue.Empty:  # the merger is too far behind: pause, do not wait on
+                    self.slot_wait_seconds += time.perf_counter() - start
+                    self.paused = True
+                    return None
                 waited = time.perf_counter() - start
                 self.slot_wait_seconds += waited
                 logger.warning(

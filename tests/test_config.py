@@ -112,6 +112,9 @@ def test_keeper_auto_picks_per_mode_what_measured_best_and_options_override_it()
     assert DiffCkptConfig(mode="lowdiff", options=no_base).keeper_plan() == KeeperPlan(
         writes_log=True
     )
+    # a bounded merge wait: the replica in the rank, where the wait is bounded
+    bounded = DiffCkptOptions(max_merge_wait_ms=100)
+    assert DiffCkptConfig(mode="lowdiff-plus", options=bounded).keeper_plan() == KeeperPlan()
     writes = DiffCkptOptions(keeper_writes_bases=True)
     assert DiffCkptConfig(mode="lowdiff-plus", options=writes).keeper_plan() == KeeperPlan(
         replica=True, writes_bases=True
@@ -167,6 +170,25 @@ def test_defaults_and_values():
         (
             {"mode": "lowdiff-plus", "options": DiffCkptOptions(keeper_writes_log=True)},
             "keeper_writes_log=true is for --diffckpt-mode lowdiff",
+        ),
+        (
+            {"mode": "lowdiff", "options": DiffCkptOptions(max_merge_wait_ms=100)},
+            "max_merge_wait_ms is for lowdiff-plus with its replica in the rank",
+        ),
+        (
+            {
+                "mode": "lowdiff-plus",
+                "options": DiffCkptOptions(max_merge_wait_ms=100, keeper_replica=True),
+            },
+            "max_merge_wait_ms is for lowdiff-plus with its replica in the rank",
+        ),
+        (
+            {
+                "mode": "lowdiff-plus",
+                "when_full": "strict",
+                "options": DiffCkptOptions(max_merge_wait_ms=100),
+            },
+            "max_merge_wait_ms lets LowDiff. leave iterations unlogged",
         ),
         (
             {"mode": "lowdiff", "keeper": "off", "options": DiffCkptOptions(keeper_replica=True)},

@@ -67,3 +67,20 @@ def test_another_rank_or_point_does_not_die(tmp_path):
 def test_a_malformed_spec_is_refused(spec):
     with pytest.raises(ValueError, match="expected NAME"):
         failpoints._parse(spec)
+
+
+def test_a_delay_point_sleeps_on_its_rank_only_and_a_bad_spec_is_refused(monkeypatch):
+    assert failpoints._parse_delay("merge:0.25@1") == ("merge", 0.25, 1)
+    assert failpoints._parse_delay("") is None
+    for bad in ("merge", "merge:x", "nowhere:1"):
+        with pytest.raises(ValueError, match="DIFFCKPT_DELAY"):
+            failpoints._parse_delay(bad)
+    slept: list[float] = []
+    monkeypatch.setattr(failpoints.time, "sleep", slept.append)
+    monkeypatch.setattr(failpoints, "_delay", ("merge", 0.25, 1))
+    monkeypatch.setenv("RANK", "0")
+    failpoints.delay("merge")
+    monkeypatch.setenv("RANK", "1")
+    failpoints.delay("merge")
+    failpoints.delay("elsewhere")
+    assert slept == [0.25]

@@ -327,6 +327,7 @@ class DiffCheckpointManager:
                 keeper=self.keeper if in_keeper else None,
                 keeper_log=keeper_log,
                 keeper_writes_bases=self.plan.writes_bases,
+                max_merge_wait_s=(self.config.options.max_merge_wait_ms / 1000.0) or None,
             )
             if in_keeper and replica is not None:
                 self.strategy.merger.resumed = replica

@@ -16,7 +16,8 @@ def format_metrics(metrics: dict[str, float]) -> str:
             f" writer backlog: {int(metrics['writer_backlog'])} |"
         )
     if "merge_backlog" in metrics:
-        text += f" merge backlog: {int(metrics['merge_backlog'])} |"
+        paused = " (not merged until the next base)" if metrics.get("merge_paused") else ""
+        text += f" merge backlog: {int(metrics['merge_backlog'])}{paused} |"
     if "keeper_lag" in metrics:
         text += (
             f" keeper lag: {int(metrics['keeper_lag'])} |"

@@ -194,6 +194,16 @@ class DiffLogWriter:
         if self.when_full == "strict":
             self.wait_durable(record.iteration - self.batch_size)
 
+    def skip(self, iteration: int) -> None:
+        """``iteration`` is not logged (LowDiff+ stopped merging until the next base): the
+        records before it are written as a batch of their own, and the chain has a gap there
+        until a :meth:`rebase` past it."""
+        self._raise_background_error()
+        self._advance(iteration)
+        self.stats.skipped_records += 1
+        if self._batch:
+            self._submit()
+
     def wait_durable(self, iteration: int) -> None:
         """Wait until :attr:`durable_iteration` reaches ``iteration`` (or an error of the
         writer's thread is raised); counted in ``stats.blocked_seconds``. Every record up to

@@ -106,6 +106,10 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         keeper_writes_bases: with ``keeper``, the keeper writes each base's files (the tensors
             megatron's planner hands its writer, staged in the keeper's shared-memory folder);
             else this rank does.
+        max_merge_wait_s: how long an iteration may wait for a free snapshot slot; past it,
+            nothing is merged nor logged until the next base, which re-anchors the replica to
+            the training state (``--diffckpt-option max_merge_wait_ms``); ``None``: as long as
+            it takes. The replica in the rank only.
     """
 
     name = "lowdiff-plus"
@@ -122,6 +126,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         keeper: Any = None,
         keeper_log: dict[str, Any] | None = None,
         keeper_writes_bases: bool = False,
+        max_merge_wait_s: float | None = None,
     ):
         if not model_chunks:
             raise ValueError(
@@ -162,6 +167,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             cpu=self.cpu,
             buffer=buffer,
         )
+        if max_merge_wait_s is not None and self.in_keeper:
+            raise ValueError("a bounded merge wait is for the replica in the rank")
+        self.snapshotter.max_wait_s = max_merge_wait_s
+        self._unmerged_from: int | None = None  # the first iteration not merged (paused)
+        self._anchored_at = -1  # the newest base staged from the training state in a pause
         if self.in_keeper:
             keeper_merger.attach(self.snapshotter)
             self.merger: ReplicaMerger | KeeperReplicaMerger = keeper_merger
@@ -244,7 +254,21 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         # the keeper's replica keeps each iteration's RNG states: a restart resumes from it
         rng = capture_rng(self.rng_tracker) if self._logging or self.in_keeper else None
         failpoints.reach("plus-hand-over")
-        self.merger.submit(MergeJob(iteration, slot, inputs, scheduler_steps, consumed, rng))
+        dropped = self.snapshotter.paused
+        if dropped and self._unmerged_from is None:
+            self._unmerged_from = iteration
+            logger.warning(
+                "LowDiff+: the merger is behind by more than %d snapshot slot(s) for %.0f ms: "
+                "iterations from %d on are neither merged nor logged until the next base, "
+                "which is staged from the training state (durability stays at iteration %d "
+                "until it is published; --diffckpt-option max_merge_wait_ms)",
+                self.snapshotter.slots,
+                1000.0 * (self.snapshotter.max_wait_s or 0.0),
+                iteration,
+                iteration - 1,
+            )
+        job = MergeJob(iteration, slot, inputs, scheduler_steps, consumed, rng, dropped=dropped)
+        self.merger.submit(job)
         self._submitted = iteration
         self._poll_persist(block=False)
         path = self.snapshotter.iteration_path_seconds + time.perf_counter() - start
@@ -270,11 +294,14 @@ class LowDiffPlusStrategy(PerIterationStrategy):
                 iteration,
             )
             self._poll_persist(block=True)
-        self.merger.wait_merged(iteration)  # the merger is idle: nothing after it was submitted
-        if self.device != "cpu":
-            self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
-        with self.cpu.measure("base replica copy"):
-            copies = self._snapshot_replica()
+        if self._unmerged_from is not None:
+            copies = self._stage_from_training(iteration)
+        else:
+            self.merger.wait_merged(iteration)  # idle: nothing after it was submitted
+            if self.device != "cpu":
+                self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
+            with self.cpu.measure("base replica copy"):
+                copies = self._snapshot_replica()
         with self.cpu.measure("base planning"):
             source = BaseSource(replica_view(self.optimizer, copies), self.model_params, True)
             write, finalize = base_checkpoint.split_async_request(save(source), self._handed)
@@ -344,6 +371,31 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             },
         }
 
+    def _stage_from_training(self, iteration: int) -> list[torch.optim.Optimizer | None]:
+        """A base during a pause (``max_merge_wait_ms``): the persist buffers take the training
+        state (a host copy, as an async save's staging), without waiting for the merger, and
+        the merger anchors its replica to them once it reaches this point of its queue; the
+        snapshots resume."""
+        # The merger may not have reached the previous such anchor yet: its source stays as it is
+        # (fresh buffers here), it is overwritten by this one's anyway.
+        anchoring = self.merger.merged_iteration < self._anchored_at
+        with self.cpu.measure("base training state copy"):
+            self._persist_copies = refresh_replicas(
+                self._torch_optimizers, None if anchoring else self._persist_copies
+            )
+        self.merger.anchor_queued(self._persist_copies, iteration)
+        self._anchored_at = iteration
+        logger.info(
+            "LowDiff+: iterations %d-%d were not merged; the base of iteration %d is staged from "
+            "the training state, and the replica anchored to it merges again",
+            self._unmerged_from,
+            iteration,
+            iteration,
+        )
+        self._unmerged_from = None
+        self.snapshotter.resume()
+        return self._persist_copies
+
     def _snapshot_replica(self) -> list[torch.optim.Optimizer | None]:
         """Copy the (idle) replica into the persist buffers, created on first use."""
         self._persist_copies = refresh_replicas(self.merger.optimizers, self._persist_copies)
@@ -386,15 +438,18 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._poll_persist(block=True)
 
     def metrics(self) -> dict[str, float]:
-        """``merge_backlog`` (iterations the replica is behind), ``slot_wait_ms`` (training's
+        """``merge_backlog`` (iterations the replica is behind), ``merge_paused`` (1 while
+        nothing is merged until the next base, ``max_merge_wait_ms``), ``slot_wait_ms`` (training's
         waits for a snapshot slot, cumulative), ``copies_in_bubbles`` (share of recent snapshot
         copy time inside pipeline bubbles)."""
         summary = summarize_traces(list(self.snapshotter.traces))
+        if self._unmerged_from is not None:  # the replica stopped before this iteration
+            backlog = self._submitted - self._unmerged_from + 1
+        else:  # the keeper's replica is one behind by design (it holds the newest input)
+            backlog = self._submitted - self.merger.merged_iteration - int(self.in_keeper)
         return {
-            # the keeper's replica is one behind by design (it holds the newest input)
-            "merge_backlog": float(
-                max(0, self._submitted - self.merger.merged_iteration - int(self.in_keeper))
-            ),
+            "merge_backlog": float(max(0, backlog)),
+            "merge_paused": float(self._unmerged_from is not None),
             "slot_wait_ms": self.snapshotter.slot_wait_seconds * 1000.0,
             "copies_in_bubbles": summary["share_in_bubbles"],
         }

@@ -183,6 +183,28 @@ def test_skip_policy_drops_batches_says_so_and_stops_durability(tmp_path, monkey
     assert [r.iteration for r in scan.records] == [6, 7, 8]
 
 
+def test_skipped_iterations_leave_a_gap_that_a_base_past_it_closes(tmp_path):
+    """LowDiff+ paused (``max_merge_wait_ms``): iterations 4-6 are skipped; the records before
+    them are written in a batch of their own, those after do not count until base 6."""
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=4)
+    for it in range(1, 4):
+        w.append(_record(it))
+    for it in range(4, 7):
+        w.skip(it)
+    with pytest.raises(ValueError, match="expects iteration 7, got 6"):
+        w.append(_record(6))
+    for it in range(7, 9):
+        w.append(_record(it))
+    assert w.flush() == 3 and w.stats.skipped_records == 3
+    w.rebase(6)
+    assert w.durable_iteration == 8
+    w.close()
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=0)
+    assert [r.iteration for r in scan.records] == [1, 2, 3]  # the chain from the start
+    assert [r.iteration for r in scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY,
+                                               start=6).records] == [7, 8]  # fmt: skip
+
+
 def test_block_policy_waits_and_loses_nothing(tmp_path, monkeypatch, caplog):
     stall = _StalledWrites(monkeypatch)
     w = DiffLogWriter(
