@@ -7,6 +7,7 @@ medians of the recent measurements:
 ==========================  ======================================================================
 iteration time ``a``        the training step, checkpointing excluded (the training loop reports)
 diff cost ``c0``            capturing a differential and handing it to the writer
+merge wait ``h``            LowDiff+: training waiting for its merger (the mean: it comes in bursts)
 diff size ``s``             bytes the writer wrote per record
 write bandwidth, latency    per segment: the time spent writing its bytes, and the rest (fsync,
                             rename, folder fsync) as the fixed cost ``L``
@@ -128,6 +129,7 @@ class OnlineTuner:
         n = settings.window
         self._iteration_s: deque[float] = deque(maxlen=n)
         self._diff_s: deque[float] = deque(maxlen=n)
+        self._merge_wait_s: deque[float] = deque(maxlen=n)
         self._diff_bytes: deque[float] = deque(maxlen=n)
         self._write_bytes_s: deque[tuple[float, float]] = deque(maxlen=n)  # (bytes, seconds)
         self._write_latency_s: deque[float] = deque(maxlen=n)
@@ -143,9 +145,14 @@ class OnlineTuner:
 
     # -- measurements ------------------------------------------------------------------------
 
-    def observe_iteration(self, iteration_s: float, diff_s: float, optimizer_step_s: float) -> None:
+    def observe_iteration(
+        self, iteration_s: float, diff_s: float, optimizer_step_s: float, merge_wait_s: float = 0.0
+    ) -> None:
+        """One iteration: ``diff_s`` on the training path for the differential, ``merge_wait_s``
+        waiting for LowDiff+'s merger (kept with bases only: the replica merges either way)."""
         self._iteration_s.append(iteration_s)
         self._diff_s.append(diff_s)
+        self._merge_wait_s.append(merge_wait_s)
         self._step_s.append(optimizer_step_s)
 
     def observe_write(self, records: int, nbytes: int, write_s: float, sync_s: float) -> None:
@@ -184,6 +191,7 @@ class OnlineTuner:
         return CostInputs(
             iteration_s=med(self._iteration_s),
             diff_s=med(self._diff_s),
+            merge_wait_s=statistics.fmean(self._merge_wait_s),
             diff_bytes=med(self._diff_bytes),
             write_bandwidth=bandwidth,
             write_latency_s=med(self._write_latency_s),
@@ -235,8 +243,8 @@ class OnlineTuner:
         logger.info(
             "auto-tune at iteration %d: proposes F %d -> %d, B %d -> %d (predicted overhead "
             "%.2f%%, %.3f s per useful iteration%s) from: iteration %.3f s, diff %.4f s and "
-            "%.0f bytes, write %.3g B/s + %.4f s, base stall %.3f s, persist %.2f s, load "
-            "%.2f s, replay %.4f s, restart %.1f s, MTBF %.2f h",
+            "%.0f bytes, merge wait %.4f s, write %.3g B/s + %.4f s, base stall %.3f s, "
+            "persist %.2f s, load %.2f s, replay %.4f s, restart %.1f s, MTBF %.2f h",
             iteration,
             self.full_interval,
             plan.full_interval,
@@ -248,6 +256,7 @@ class OnlineTuner:
             inputs.iteration_s,
             inputs.diff_s,
             inputs.diff_bytes,
+            inputs.merge_wait_s,
             inputs.write_bandwidth,
             inputs.write_latency_s,
             inputs.base_stall_s,

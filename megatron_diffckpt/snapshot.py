@@ -189,6 +189,10 @@ class BucketSnapshotter:
         """No slot is taken and nothing copied until :meth:`resume`: the iteration whose
         first bucket found no slot within :attr:`max_wait_s`, and those after it."""
         self._path_seconds = 0.0
+        self._waited_before = 0.0
+        self.iteration_slot_wait_seconds = 0.0
+        """The part of :attr:`slot_wait_seconds` in the last finished iteration: training
+        waiting for the merger."""
         self.iteration_path_seconds = 0.0
         """Training-thread time spent here in the last finished iteration: issuing copies,
         waiting for a slot, flushing (waits inside :meth:`bubble` are the peer's, not counted)."""
@@ -288,6 +292,8 @@ class BucketSnapshotter:
         The consumer calls :meth:`SnapshotSlot.wait_ready`, reads, then :meth:`release`."""
         self.flush()
         self.iteration_path_seconds, self._path_seconds = self._path_seconds, 0.0
+        self.iteration_slot_wait_seconds = self.slot_wait_seconds - self._waited_before
+        self._waited_before = self.slot_wait_seconds
         slot, self._current = self._current, None
         if self._trace is not None:
             self._trace.iteration = iteration

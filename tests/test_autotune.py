@@ -101,6 +101,21 @@ def test_lowdiff_plus_turns_the_diff_log_off_only_where_storage_cannot_take_it()
     assert not fast.diff_log and fast.propose(60)[2] == 0
 
 
+def test_lowdiff_plus_counts_the_wait_for_its_merger_with_the_log_and_without():
+    """The merger keeps training waiting 0.3 s per iteration on average (in bursts, when the
+    slots are full): with bases only the replica still merges, so that wait stays in the plan."""
+    tuner = _plus_tuner(write_s=2.8)
+    for i in range(tuner.settings.window):  # the window: only these count
+        tuner.observe_iteration(2.0, 0.001, 0.05, merge_wait_s=0.6 if i % 2 else 0.0)
+    assert tuner.inputs().merge_wait_s == pytest.approx(0.3)
+    full_interval, _, diff_log = tuner.propose(50)
+    assert diff_log == 0 and tuner.last_plan.step_s >= 2.0 + 0.3
+    assert tuner.last_plan.overhead >= 0.15
+    quiet = _plus_tuner(write_s=2.8)
+    quiet.propose(50)
+    assert quiet.last_plan.overhead < 0.01
+
+
 @pytest.mark.distributed
 def test_training_follows_the_agreed_decisions(tmp_path):
     """A real run: the decisions are logged with their inputs, and bases follow the tuned F."""

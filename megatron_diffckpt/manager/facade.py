@@ -366,7 +366,10 @@ class DiffCheckpointManager:
             self.tuner.observe_write(sample.records, sample.nbytes, sample.write_s, sample.sync_s)
         if train_seconds is not None:
             self.tuner.observe_iteration(
-                max(train_seconds - cost.inside_step_s, 1e-9), cost.path_s, cost.since_step_s
+                max(train_seconds - cost.inside_step_s, 1e-9),
+                cost.path_s - cost.merge_wait_s,
+                cost.since_step_s,
+                cost.merge_wait_s,
             )
         if iteration % self.config.options.retune_interval == 0:
             self.full_interval = retune(

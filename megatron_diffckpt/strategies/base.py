@@ -68,6 +68,9 @@ class IterationCost:
     since_step_s: float = 0.0
     """From the optimizer step's start to the end of the iteration (LowDiff+: the optimizer
     step itself); the auto-tuner's estimate of one replay."""
+    merge_wait_s: float = 0.0
+    """The part of ``path_s`` spent waiting for LowDiff+'s merger (a snapshot slot): the host's
+    pace, paid with a replica whether differentials are logged or not."""
 
 
 class PerIterationStrategy(ABC):

@@ -272,7 +272,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._submitted = iteration
         self._poll_persist(block=False)
         path = self.snapshotter.iteration_path_seconds + time.perf_counter() - start
-        return IterationCost(path, since_step_s=self._step_seconds)
+        return IterationCost(
+            path,
+            since_step_s=self._step_seconds,
+            merge_wait_s=self.snapshotter.iteration_slot_wait_seconds,
+        )
 
     def stop_diff_log(self) -> None:
         """Write no more differentials (the iterations handed over so far still are): from now
