@@ -8,19 +8,22 @@ Run (from the repository root)::
 What it measures, each the best of ``--repeats`` timed runs after a warm-up:
 
 - **copy bound**: ``dst.copy_(src)`` of a 256 MiB fp32 tensor with T torch threads, in bytes
-  moved per second (read plus write): what the host's memory delivers to one streaming kernel.
+  moved per second (read plus write): what the host's memory delivers to one streaming copy.
   The snapshot copy (the gradient buckets into a host slot) is such a copy: its rate on a CPU
   host is this one (on a GPU node it is the device-to-host link's, not measured here).
+- **update bound**: ``x.mul_(c)`` of the same tensor, in place (read plus write of the same
+  lines): the pattern of Adam's step, which updates parameter and moments in place; a write
+  to a line just read costs no extra read, so this bound is the higher one on most hosts.
 - **kernels**: one shard of ``--shard-mparams`` million fp32 parameters (in 48 tensors of
   decreasing size, as a model's), stepped by the host replica of a torch ``AdamW`` with each
   kernel: ``exact`` with training's default CPU kernel (``for-loop``), ``exact`` with
   ``foreach=True``, and ``fused`` (:func:`~megatron_diffckpt.replica_merger.replica_kernel`).
   Parameters per second, and Adam's memory traffic (28 bytes per parameter: parameter, gradient
-  and both moments read, three written) against the copy bound at the same thread count.
+  and both moments read, three written) against both bounds at the same thread count.
 - **a node's shards**: ``--shards`` shards of ``--shard-mparams`` each, stepped with the fused
   kernel from one Python thread per shard (as a keeper serves its ranks), within budgets of T
   threads (:class:`~megatron_diffckpt.merge_threads.MergeThreads`); aggregate parameters per
-  second and traffic against the copy bound.
+  second and traffic against both bounds.
 
 Results go to ``benchmarks/results/host_merge.json`` (with the machine's CPU and torch version).
 """
@@ -59,13 +62,16 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def copy_bound(threads: int, repeats: int) -> float:
-    """Bytes per second a streaming copy moves (read plus write) with ``threads`` threads."""
+def bounds(threads: int, repeats: int) -> tuple[float, float]:
+    """Bytes per second (read plus write) a streaming copy and an in-place update move with
+    ``threads`` threads."""
     torch.set_num_threads(threads)
     src = torch.rand(64 * 2**20)
     dst = torch.empty_like(src)
-    seconds = _best(lambda: dst.copy_(src), repeats)
-    return 2 * src.numel() * 4 / seconds
+    copy = _best(lambda: dst.copy_(src), repeats)
+    update = _best(lambda: src.mul_(1.0000001), repeats)
+    nbytes = 2 * src.numel() * 4
+    return nbytes / copy, nbytes / update
 
 
 def _shard(params: int, seed: int) -> list[torch.Tensor]:
@@ -96,7 +102,7 @@ KERNELS = {  # name -> (replica kernel, training's foreach)
 }
 
 
-def kernels(params: int, threads: int, repeats: int, bound: float) -> list[dict]:
+def kernels(params: int, threads: int, repeats: int, bound: tuple[float, float]) -> list[dict]:
     torch.set_num_threads(threads)
     rows = []
     for name, (kernel, foreach) in KERNELS.items():
@@ -106,12 +112,13 @@ def kernels(params: int, threads: int, repeats: int, bound: float) -> list[dict]
         rows.append({"kernel": name, "threads": threads, "params": n, "step_s": seconds,
                      "gparams_per_s": rate / 1e9, "gparams_per_s_per_thread": rate / threads / 1e9,
                      "adam_gb_per_s": rate * ADAM_BYTES / 1e9,
-                     "share_of_copy_bound": rate * ADAM_BYTES / bound})  # fmt: skip
+                     "share_of_copy_bound": rate * ADAM_BYTES / bound[0],
+                     "share_of_update_bound": rate * ADAM_BYTES / bound[1]})  # fmt: skip
         del replica
     return rows
 
 
-def node(params: int, shards: int, threads: int, repeats: int, bound: float) -> dict:
+def node(params: int, shards: int, threads: int, repeats: int, bound: tuple[float, float]) -> dict:
     budget = MergeThreads(threads, shards)
     replicas = [_replica(params, seed, "fused", None) for seed in range(shards)]
 
@@ -133,7 +140,8 @@ def node(params: int, shards: int, threads: int, repeats: int, bound: float) -> 
             "merge_s": seconds, "gparams_per_s": rate / 1e9,
             "gparams_per_s_per_thread": rate / threads / 1e9,
             "adam_gb_per_s": rate * ADAM_BYTES / 1e9,
-            "share_of_copy_bound": rate * ADAM_BYTES / bound}  # fmt: skip
+            "share_of_copy_bound": rate * ADAM_BYTES / bound[0],
+            "share_of_update_bound": rate * ADAM_BYTES / bound[1]}  # fmt: skip
 
 
 def main() -> int:
@@ -148,28 +156,30 @@ def main() -> int:
     args = parser.parse_args()
     cpus = available_cpus()
     counts = [int(t) for t in args.threads.split(",")] if args.threads else list(range(1, cpus + 1))
-    bounds = {t: copy_bound(t, args.repeats) for t in counts}
+    measured = {t: bounds(t, args.repeats) for t in counts}
     params = int(args.shard_mparams * 1e6)
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": cpus,
                     "torch": torch.__version__, "omp": os.environ.get("OMP_NUM_THREADS")},
-        "copy_bound_gb_per_s": {str(t): b / 1e9 for t, b in bounds.items()},
-        "kernels": [row for t in counts for row in kernels(params, t, args.repeats, bounds[t])],
-        "node": [node(int(args.node_shard_mparams * 1e6), args.shards, t, args.repeats, bounds[t])
-                 for t in counts],
+        "copy_bound_gb_per_s": {str(t): b[0] / 1e9 for t, b in measured.items()},
+        "update_bound_gb_per_s": {str(t): b[1] / 1e9 for t, b in measured.items()},
+        "kernels": [row for t in counts for row in kernels(params, t, args.repeats, measured[t])],
+        "node": [node(int(args.node_shard_mparams * 1e6), args.shards, t, args.repeats,
+                      measured[t]) for t in counts],
     }  # fmt: skip
-    print("copy bound (read + write): "
-          + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bounds.items()))  # fmt: skip
+    print("bounds (read + write): " + ", ".join(
+        f"{t} thread(s) copy {b[0] / 1e9:.1f} GB/s, in-place update {b[1] / 1e9:.1f} GB/s"
+        for t, b in measured.items()))  # fmt: skip
     print(f"{'kernel':18} {'threads':>7} {'Gparam/s':>9} {'per thread':>10} {'Adam GB/s':>9} "
-          f"{'of copy bound':>13}")  # fmt: skip
+          f"{'of copy':>8} {'of update':>9}")  # fmt: skip
     for r in result["kernels"]:
         print(f"{r['kernel']:18} {r['threads']:>7} {r['gparams_per_s']:>9.2f} "
               f"{r['gparams_per_s_per_thread']:>10.2f} {r['adam_gb_per_s']:>9.1f} "
-              f"{r['share_of_copy_bound']:>13.0%}")  # fmt: skip
+              f"{r['share_of_copy_bound']:>8.0%} {r['share_of_update_bound']:>9.0%}")  # fmt: skip
     for r in result["node"]:
         print(f"node: {r['shards']} shards x {args.node_shard_mparams:g}M, {r['budget']}: "
-              f"{r['gparams_per_s']:.2f} Gparam/s ({r['share_of_copy_bound']:.0%} of the copy "
-              f"bound), {r['merge_s'] * 1e3:.0f} ms per iteration")  # fmt: skip
+              f"{r['gparams_per_s']:.2f} Gparam/s ({r['share_of_update_bound']:.0%} of the "
+              f"update bound), {r['merge_s'] * 1e3:.0f} ms per iteration")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
