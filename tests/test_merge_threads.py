@@ -49,3 +49,24 @@ def test_concurrent_merges_stay_within_the_budget_and_each_runs_with_its_threads
     for w in workers:
         w.join()
     assert peak == 2 and seen == [1] * 6
+
+
+def test_the_host_merge_benchmark_runs_and_writes_its_figures(tmp_path):
+    """The benchmark at a toy size: every kernel, the node's shards, both bounds, in its JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "host_merge.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "host_merge.py"), "--shard-mparams", "0.2",
+           "--node-shard-mparams", "0.05", "--shards", "2", "--threads", "1", "--repeats", "1",
+           "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert [r["kernel"] for r in result["kernels"]] == ["exact (for-loop)", "exact (foreach)",
+                                                        "fused"]  # fmt: skip
+    assert all(r["gparams_per_s"] > 0 and r["share_of_update_bound"] > 0 for r in result["kernels"])
+    assert result["node"][0]["budget"].startswith("1 thread(s) for 2 replica(s)")
+    assert set(result["copy_bound_gb_per_s"]) == set(result["update_bound_gb_per_s"]) == {"1"}
