@@ -22,8 +22,10 @@ each at its own best setting:
   at ``host_merge_bandwidth``; the snapshot slots let the merge lag by an iteration or two,
   but where the host needs longer than an iteration, training runs at the host's pace
   (:func:`merge_wait_s`, on the training path of both ways, of LowDiff+ in keepers and of
-  LowDiff's keeper replicas). **Without a replica** (``LowDiff+ (no replica)``): no merge;
-  bases are staged from the device (a stall, as LowDiff's), the dense log between them.
+  LowDiff's keeper replicas). **Without a replica** (``LowDiff, dense``): no merge;
+  bases are staged from the device (a stall, as LowDiff's), the dense log between them: what
+  ``--diffckpt-mode lowdiff`` runs with megatron's dense reduction (``--diffckpt-compressor
+  none``, its default).
 - **full checkpointing**: stock async saves only; after a failure the iterations since the newest
   checkpoint are recomputed.
 - **with the node keepers** (:mod:`~megatron_diffckpt.keeper`): a share ``kept_share`` of the
@@ -201,8 +203,9 @@ def lowdiff_plus_inputs(job: JobSpec) -> CostInputs:
 
 
 def lowdiff_plus_device_inputs(job: JobSpec) -> CostInputs:
-    """LowDiff+ without a replica: no host merge; bases staged from the device state (a stall,
-    as LowDiff's and full checkpointing's), the dense log between them."""
+    """LowDiff+ without a replica, i.e. LowDiff with dense differentials: no host merge; bases
+    staged from the device state (a stall, as LowDiff's and full checkpointing's), the dense
+    log between them."""
     c = _inputs(job, diff_bytes=job.shard_params * 4.0, base_stall=True)
     return replace(c, merge_wait_s=merge_wait_s(job, replica=False))
 
@@ -264,7 +267,8 @@ LOWDIFF_PLUS_BASES = "LowDiff+ (bases only)"
 LOWDIFF_KEEPERS = "LowDiff + keepers"
 LOWDIFF_KEEPER_REPLICAS = "LowDiff + keeper replicas"
 LOWDIFF_PLUS_KEEPERS = "LowDiff+ in keepers"
-LOWDIFF_PLUS_DEVICE = "LowDiff+ (no replica)"
+LOWDIFF_PLUS_DEVICE = "LowDiff, dense"
+"""LowDiff+ without its replica: ``--diffckpt-mode lowdiff`` with megatron's dense reduction."""
 
 
 def lowdiff_plus_plans(c: CostInputs, max_interval: int = 1_000_000) -> dict[str, Plan]:

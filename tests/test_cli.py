@@ -95,7 +95,7 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         "LowDiff",
         "LowDiff+ (diff log)",
         "LowDiff+ (bases only)",
-        "LowDiff+ (no replica)",
+        "LowDiff, dense",
         "LowDiff + keepers",
         "LowDiff + keeper replicas",
         "LowDiff+ in keepers",
@@ -121,7 +121,7 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         assert keeps_up == (g >= 32), g
         assert (lost["LowDiff + keeper replicas"] < lost["LowDiff + keepers"]) == keeps_up, g
         if not keeps_up:  # training at the host's pace: LowDiff+ without a replica is not
-            assert lost["LowDiff+ (no replica)"] < lost["LowDiff+ (bases only)"] / 100
+            assert lost["LowDiff, dense"] < lost["LowDiff+ (bases only)"] / 100
 
 
 def test_tune_with_the_keepers_ring_loses_less_than_without(capsys):

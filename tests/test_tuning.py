@@ -316,5 +316,5 @@ def test_tune_names_the_host_bandwidth_it_assumes(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "32 bytes per shard parameter at 100 GB/s (--host-merge-bandwidth" in out
-    assert re.search(r" 2\.24  LowDiff\+ \(no replica\) +\d+ +\d+ +0\.0\d%", out), out
+    assert re.search(r" 2\.24  LowDiff, dense +\d+ +\d+ +0\.0\d%", out), out
     assert re.search(r" 2\.24  LowDiff\+ in keepers +\d+ +\d+ +12\.0\d%", out), out
