@@ -303,11 +303,11 @@ def compare(job: JobSpec) -> dict[str, Plan]:
     # host's as LowDiff+'s merge
     stepped = replace(lowdiff, merge_wait_s=max(0.0, host_merge_s(job) - job.iteration_s))
     return {
-        "LowDiff": optimize(lowdiff_inputs(job)),
-        LOWDIFF_KEEPERS: optimize(with_keepers(job, lowdiff_inputs(job), replica=False)),
+        "LowDiff": optimize(lowdiff),
+        LOWDIFF_KEEPERS: optimize(with_keepers(job, lowdiff, replica=False)),
         LOWDIFF_KEEPER_REPLICAS: optimize(
             with_keepers(job, stepped, replica=False, lowdiff_replica=True)
-        ),  # fmt: skip
+        ),
         **lowdiff_plus_plans(plus),
         LOWDIFF_PLUS_DEVICE: optimize(lowdiff_plus_device_inputs(job)),
         LOWDIFF_PLUS_KEEPERS: full_checkpointing(with_keepers(job, plus, replica=True)),
