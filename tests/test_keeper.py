@@ -410,8 +410,8 @@ def test_ranks_restarted_by_torchrun_recover_from_the_keeper_exactly(tmp_path, w
 @pytest.mark.distributed
 def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
     """One machine as two nodes: two node launchers (``--nnodes 2``, c10d rendezvous on
-    loopback, hosted by node 0; one rank each, which node runs rank 0 is the rendezvous's
-    choice), each with its keeper, in a ring. Batches larger than the run: storage holds only
+    loopback, hosted by node 0; one rank each, node 0's first), each with its keeper, in a
+    ring. Batches larger than the run: storage holds only
     the base at 0 and what recoveries write back, so every tier's part is exact. Three faults,
     each by SIGKILL:
 
@@ -433,7 +433,7 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
             lambda: chains_acknowledged([job.keeper_socket(0)], 2),
         )
         text = job.text()
-    # Rank 0 logs the recoveries (on whichever node it ran): in time order.
+    # Rank 0 logs the recoveries: in time order.
     found = re.findall(
         r"\[rank0\] (\d\d:\d\d:\d\d) recovery: base at iteration 0, \d+ differential\(s\) to "
         r"replay, recovering to iteration (\d+) \(.*?\): (.*)",
@@ -455,12 +455,18 @@ def test_two_nodes_recover_by_tiers_ranks_then_a_node_then_everything(tmp_path):
 
 class TwoNodes:
     """One machine as two nodes: two node launchers (``--nnodes 2``, c10d rendezvous on
-    loopback, hosted by node 0; one rank each, which node runs rank 0 is the rendezvous's
-    choice), each with its keeper, in a ring, running ``args``; torchrun restarts ranks up to
-    3 times. A context manager: whatever is left runs is killed at its end."""
+    loopback, hosted by node 0; one rank each), each with its keeper, in a ring, running
+    ``args``; torchrun restarts ranks up to 3 times. A context manager: whatever is left runs
+    is killed at its end.
+
+    torchrun's rendezvous seats the nodes in the order of their ``--local-addr`` (then of their
+    agents' process ids), not by ``--node-rank``: each node has an address of its own on the
+    loopback (``addrs``), so that node 0 runs rank 0 until a test restarts a node under
+    another address (:meth:`restart_node`)."""
 
     def __init__(self, tmp_path: Path, args: list[str]):
         self.tmp_path, self.args = tmp_path, args
+        self.addrs = ["127.0.0.2", "127.0.0.3"]
         self.env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         self.env["DIFFCKPT_KEEPER_HOST"] = "127.0.0.1"
         self.port = _free_port()
@@ -480,6 +486,7 @@ class TwoNodes:
     def _node(self, rank: int) -> subprocess.Popen:
         cmd = [str(LAUNCH), "--keeper-memory", "64", "--keeper-peers", str(self.tmp_path / "peers")]
         cmd += ["--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1"]
+        cmd += ["--local-addr", self.addrs[rank]]
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"]
         cmd += ["--rdzv-id", "two-nodes", "--max-restarts", "3", str(PRETRAIN_GPT)]
         with open(self.logs[rank], "a") as out:
@@ -536,9 +543,10 @@ class TwoNodes:
         top = psutil.Process(self.nodes[rank].pid)
         return [*top.children(recursive=True), top]
 
-    def restart_node(self, rank: int) -> None:
+    def restart_node(self, rank: int, addr: str | None = None) -> None:
         """SIGKILL node ``rank`` whole (launcher, keeper, agent, rank), then start it again
-        (with a fresh, empty keeper)."""
+        (with a fresh, empty keeper; under ``addr``, if given)."""
+        self.addrs[rank] = addr or self.addrs[rank]
         self.kill(self._whole(rank))
         self.nodes[rank].wait(30)
         self.nodes[rank] = self._node(rank)
@@ -560,19 +568,21 @@ class TwoNodes:
         self,
         before_ranks_lost: Callable[[], Any] = lambda: None,
         before_node_loss: Callable[[], Any] = lambda: None,
+        node_returns_as: str | None = None,
     ) -> tuple[Any, Any]:
         """Three faults, each by SIGKILL, then the job's end: after iteration 11 both ranks
         (torchrun restarts them); after 21 node 1 whole, started again with a fresh keeper;
         after 31 everything, both nodes started again. ``before_ranks_lost()`` runs with both
         ranks stopped (:func:`stopped_then_read`), ``before_node_loss()`` before node 1 dies:
-        their results are returned."""
+        their results are returned. ``node_returns_as``: node 1's address when it comes back
+        (``"127.0.0.1"`` seats it first: the ranks swap nodes)."""
         self.logged(11)
         ranks = self.ranks()
         seen = stopped_then_read(ranks, before_ranks_lost)
         self.kill(ranks)
         self.logged(21)
         seen = (seen, before_node_loss())
-        self.restart_node(1)
+        self.restart_node(1, node_returns_as)
         self.logged(31)
         self.restart_all()
         self.wait()

@@ -619,33 +619,44 @@ def test_a_node_lost_whole_recovers_its_lowdiff_replica_from_the_peers_copy(tmp_
 
 
 @pytest.mark.distributed
-def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_path):
+@pytest.mark.parametrize("swap", [False, True], ids=["same-seats", "ranks-swap-nodes"])
+def test_a_node_lost_whole_recovers_its_lowdiff_base_from_the_peers_copy(tmp_path, swap):
     """One machine as two nodes (keepers in a ring), LowDiff with kept bases every 5 (no
     replica): each keeper sends its ranks' bases and differentials to the next node's keeper.
     After iteration 12 node 1 is lost whole (its rank stopped first, then launcher, keeper,
     agent and rank SIGKILLed once node 0's keeper holds its copy of base 10) and started again
-    with a fresh keeper, which adopts node 0's copy of its rank's base: both ranks recover from
-    the keepers' base 10 (no base read from storage), replay the differentials after it (node
-    1's from node 0's copy), and the run ends equal to an uninterrupted one."""
+    with a fresh keeper: both ranks recover from the keepers' base 10 (no base read from
+    storage), replay the differentials after it, and the run ends equal to an uninterrupted
+    one. In its seat, node 1's keeper adopts node 0's copy of its rank's base (and chain).
+    Seated first (``swap``), node 1 runs rank 0, whose base (and chain) node 0's keeper hands
+    over, and node 0 runs rank 1, whose copies its keeper serves as its own."""
     text, acked = _node_1_lost_whole(
         tmp_path,
         list(KEPT_BASE_ONLY),
         lambda held: any(b["copy"] and b["iteration"] == 10 for b in held["bases"]),
         lambda sock: chains_acknowledged([sock], 2),
+        returns_as="127.0.0.1" if swap else None,
     )
     adopted = re.findall(
-        r"keeper: adopted the base of (rank_\S+) at iteration (\d+) from the keeper of node 0 "
-        r"\(a peer\)",
-        text,
+        r"keeper: adopted the base of (rank_\S+) at iteration (\d+) from (.*)", text
     )
-    assert [a[1] for a in adopted] == ["10"], text[-4000:]
+    peer = "the keeper of node 0 (a peer)"
+    if swap:  # rank 0 from node 0's own base, rank 1 from node 0's copy of node 1's
+        expected = {
+            ("rank_0_0_0", peer),
+            ("rank_0_0_1", "the node's keeper (its copy of node 1's)"),
+        }
+        assert {(r, w) for r, _, w in adopted} == expected, adopted
+    else:
+        assert {(r, w) for r, _, w in adopted} == {("rank_0_0_1", peer)}, adopted
+    assert max(int(i) for _, i, _ in adopted) == 10, adopted
     got = re.search(
         r"\[rank0\] \S+ recovery: base of iteration 10 from (.*?) in [\d.]+ s \(storage's "
         r"newest base: (\d+), not read\)",
         text,
     )
     assert got is not None, text[-4000:]
-    assert got[1] in ("the node's keeper", "the keeper of node 0 (a peer)"), got[0]
+    assert got[1] == (peer if swap else "the node's keeper"), got[0]
     assert "loaded checkpoint from" not in text  # no rank read a base from storage
     recovered = int(re.search(r"recovered to iteration (\d+)", text)[1])
     assert recovered >= acked >= 11, (recovered, acked)  # nothing node 0's keeper held is lost
@@ -688,13 +699,16 @@ def _node_1_lost_whole(
     copied: Callable[[dict], bool],
     acknowledged: Callable[[str], int],
     damage: Callable[[Path], None] = lambda _shm: None,
+    returns_as: str | None = None,
 ) -> tuple[str, int]:
     """LowDiff on one machine as two nodes (keepers in a ring), bases every 5, with ``flags``:
     after iteration 12 node 1's rank is stopped (its keeper's last copies go out), and once
     node 0's keeper holds what ``copied`` (of its stats) asks, ``damage(node 0's keeper's
     shared-memory folder)`` runs and node 1 is lost whole (launcher, keeper, agent, rank
-    SIGKILLed) and started again with a fresh keeper. The log of the job, which ran to its
-    end, and what ``acknowledged(node 0's keeper's socket)`` read just before node 1 died."""
+    SIGKILLed) and started again with a fresh keeper (at the address ``returns_as``:
+    ``"127.0.0.1"`` seats it first, and the ranks swap nodes). The log of the job, which ran
+    to its end, and what ``acknowledged(node 0's keeper's socket)`` read just before node 1
+    died."""
     common, _ = _keeper_job(tmp_path, total=24, full_interval=5)
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", "lowdiff", "--save", str(ckpt), "--load", str(ckpt)]
@@ -708,6 +722,6 @@ def _node_1_lost_whole(
 
         acked = stopped_then_read(_ranks_of(psutil.Process(job.nodes[1].pid)), read)
         damage(Path(shared_memory_root()) / Path(job.keeper_socket(0)).parent.name)
-        job.restart_node(1)
+        job.restart_node(1, returns_as)
         job.wait()
         return job.text(), acked

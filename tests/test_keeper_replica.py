@@ -453,7 +453,8 @@ def test_ranks_killed_recover_from_the_keepers_then_a_lost_keeper_falls_back_to_
 
 
 @pytest.mark.distributed
-def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_path):
+@pytest.mark.parametrize("swap", [False, True], ids=["same-seats", "ranks-swap-nodes"])
+def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_path, swap):
     """One machine as two nodes (:class:`test_keeper.TwoNodes`: two node launchers, keepers in a
     ring, one rank each), LowDiff+ with its replica in the keepers, bases every 10:
 
@@ -461,8 +462,11 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
        than what the keepers acknowledged of both before the kill;
     2. after 21, node 1 lost whole: its rank is stopped (so that its keeper's last copies reach
        node 0), then launcher, keeper, agent and rank are SIGKILLed and the node started again
-       with a fresh keeper, which adopts node 0's copy of its rank's replica; both ranks recover
-       T2, no less than what node 0's keeper held of both when node 1 died;
+       with a fresh keeper; both ranks recover T2, no less than what node 0's keeper held of
+       both when node 1 died. In its seat, node 1's keeper adopts node 0's copy of its rank's
+       replica. Seated first (``swap``: torchrun's rendezvous orders nodes by address), node 1
+       runs rank 0, whose replica node 0's keeper hands over and lets go, and node 0 runs
+       rank 1, whose copy its keeper serves as its own;
     3. after 31, everything: fresh keepers hold nothing, storage's newest published base serves
        (a base still being written when the job dies is not one), no older than the newest
        rank 0 logged published, and the diff log the keepers wrote after it.
@@ -483,6 +487,7 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
         acked, held = job.three_faults(
             lambda: replicas_acknowledged([job.keeper_socket(0), job.keeper_socket(1)], 2),
             before_node_loss,
+            node_returns_as="127.0.0.1" if swap else None,
         )
         text, before_all, since_all = job.text(), job.before_all_lost(), job.since_all_lost()
     found = re.findall(
@@ -491,26 +496,25 @@ def test_two_nodes_recover_the_replicas_ranks_then_a_node_then_everything(tmp_pa
     )
     to_storage = "recovery: the node keepers hold no replica: recovering from storage"
     # nothing the keepers acknowledged is lost; 10 was, by both, once 11 was logged
-    (t1, tier1), *after = [(int(t), tier) for _, t, tier in sorted(found)]
+    (t1, tier1), (t2, tier2) = [(int(t), tier) for _, t, tier in sorted(found)]
     assert t1 >= acked >= 10 and tier1 == "the node's keeper", (found, acked)
-    if after:
-        ((t2, tier2),) = after
-        assert tier2 in ("the node's keeper", "the keeper of node 0 (a peer)"), found
-        adopted = re.findall(r"keeper: adopted the replica of (rank_\S+) at iteration (\d+)", text)
-        assert len(adopted) == 1 and int(adopted[0][1]) + 1 >= t2, adopted  # node 1's rank
-    else:
-        # The rendezvous after node 1's return may seat the ranks on each other's node: a
-        # keeper then holds the other rank's replica (or copy) and serves neither (not yet:
-        # issue 32's follow-up); the job falls back to storage, and loses nothing the keepers
-        # wrote to the diff log.
-        recoveries = sorted(  # (time, node, iteration) of rank 0's recoveries
-            (m[0], node, int(m[1]))
-            for node, log in enumerate(job.logs)
-            for m in re.findall(r"\[rank0\] (\S+) recovered to iteration (\d+)", log.read_text())
-        )
-        (_, first_node, _), (_, second_node, t2) = recoveries[:2]
-        assert first_node != second_node, ("rank 0 kept its node, no replica served", recoveries)
-    assert t2 >= max(held, t1 + 1), (found, held, t2)
+    assert t2 >= max(held, t1 + 1), (found, held)
+    adopted = re.findall(  # (rank, the replica's iteration, where from)
+        r"keeper: adopted the replica of (rank_\S+) at iteration (\d+).*? from (.*)", text
+    )
+    assert all(int(it) + 1 >= t2 for _, it, _ in adopted), adopted  # its held input: t2
+    peer = "the keeper of node 0 (a peer)"
+    if swap:  # rank 0 runs on node 1, from node 0's replica; rank 1 on node 0, from its copy
+        assert tier2 == peer, found
+        own_copy = "the node's keeper (its copy of node 1's replica)"
+        assert sorted((r, w) for r, _, w in adopted) == [
+            ("rank_0_0_0", peer),
+            ("rank_0_0_1", own_copy),
+        ], adopted
+        assert "keeper: rank_0_0_0 runs on another node now: its replica here goes" in text
+    else:  # node 1's rank from node 0's copy
+        assert tier2 == "the node's keeper", found
+        assert [(r, w) for r, _, w in adopted] == [("rank_0_0_1", peer)], adopted
     assert to_storage in since_all
     base = re.findall(r"loaded checkpoint from \S+ at iteration (\d+)", since_all)
     # storage's newest published base, read once: no older than the newest rank 0 saw published

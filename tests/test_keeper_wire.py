@@ -75,6 +75,41 @@ def test_bytes_links_and_copies_arrive_in_files_bit_for_bit(tmp_path):
     assert os.listdir(into) == [os.path.basename(got["linked"]["file"])]
 
 
+def test_a_payload_handed_to_its_own_keeper_is_what_a_peer_would_receive(tmp_path):
+    """:meth:`Parts.received` (a keeper serving its own copy of a replica to a rank that moved
+    to its node): the header's tensors keep their files, now the result's, the other items
+    (bytes, a snapshot bucket's copy, which no spec describes) become plain bytes."""
+    out, _ = _folders(tmp_path)
+    arena = SharedArena(out)
+    kept = arena.copy(torch.randn(100))
+    bucket = torch.randn(64)
+    parts = Parts(out)
+    header = {
+        "head": parts.add(b"counters"),
+        "linked": parts.link(arena.spec(kept)),
+        "nested": [{"tensor": parts.copy(torch.arange(6.0).view(2, 3))}],
+        "empty": parts.copy(torch.empty(0)),
+        "bucket": parts.copy(bucket)["offset"],  # a span, as a held iteration's buckets are
+    }
+    received = parts.received(header)
+    parts.release()  # what it still had: nothing the result names
+    assert bytes(span(received, *header["head"])) == b"counters"
+    assert torch.equal(map_tensor(header["linked"]), kept)
+    assert torch.equal(map_tensor(header["nested"][0]["tensor"]), torch.arange(6.0).view(2, 3))
+    assert map_tensor(header["empty"]).numel() == 0
+    got = torch.frombuffer(bytearray(span(received, header["bucket"], 256)), dtype=torch.float32)
+    assert torch.equal(got, bucket)
+    assert "offset" not in header["linked"] and "offset" not in header["nested"][0]["tensor"]
+    named = {
+        header["linked"]["file"],
+        header["nested"][0]["tensor"]["file"],
+        header["empty"]["file"],
+    }
+    assert received.files == named and all(os.path.exists(f) for f in named)
+    received.release()
+    assert os.listdir(out) == [os.path.basename(arena.spec(kept)["file"])]
+
+
 def test_a_linked_file_outlives_its_holder_removing_it(tmp_path):
     """A base the keeper drops while its copy waits to be sent still goes whole."""
     out, into = _folders(tmp_path)

@@ -128,8 +128,8 @@ class KeptBases:
             if op == Op.BASE_STATE:
                 with self._lock:
                     held = list(self._bases.get(key, []))
-                if not held and self.link is not None:  # a fresh keeper: the successor's copies
-                    held = self._adopt(key)
+                if not held and self.link is not None:  # the rank was elsewhere: a copy of them
+                    held = self._adopt_own_copies(key) or self._adopt(key)
                 rows = [
                     {"iteration": b.iteration, "optimizers": b.optimizers,
                      "residuals": b.residuals, "record": len(b.record), "tier": b.tier}
@@ -145,13 +145,17 @@ class KeptBases:
         bases, held as a copy), ``fetch`` (the copies of one rank, for its fresh keeper)."""
         try:
             if op == Op.BASE_COPY_PUT:
+                with self._lock:  # the rank runs on the previous node now: its bases are there
+                    self._replace(self._bases, key, [], self._bases.get(key, []))
                 base = _received(req, payload, "a peer's copy")
                 return self._hold(self._copies, key, base, payload), b""
             if op == Op.BASE_COPY_FETCH:
                 parts = Parts(self.folder)
                 try:
                     with self._lock:  # linked while held: a base dropped now stays whole
-                        headers = [pack(b, parts) for b in self._copies.get(key, [])]
+                        # this keeper's own, when the rank runs on the previous node now
+                        held = self._copies.get(key) or self._bases.get(key, [])
+                        headers = [pack(b, parts) for b in held]
                         published = self._published.get(key, -1)
                 except BaseException:
                     parts.release()
@@ -208,9 +212,29 @@ class KeptBases:
 
         self.link.forward_files(self.folder, base.nbytes, make)
 
+    def _adopt_own_copies(self, key: tuple) -> list[KeptBase]:
+        """This keeper's copies of the rank ``key``'s bases, held as its own: the rank ran on
+        the previous node (torchrun's rendezvous seated the nodes in another order)."""
+        tier = f"the node's keeper (its copy of node {(self.link.node - 1) % self.link.nnodes}'s)"
+        with self._lock:
+            copies = self._copies.pop(key, [])
+            if copies:
+                self._bases[key] = copies  # the same bytes against the cap
+            for base in copies:
+                base.tier = tier
+        for base in copies:
+            logger.info(
+                "keeper: adopted the base of %s at iteration %d from %s",
+                rank_name(key),
+                base.iteration,
+                tier,
+            )
+        return list(copies)
+
     def _adopt(self, key: tuple) -> list[KeptBase]:
-        """The successor's copies of the rank ``key``'s bases, held as this keeper's own (this
-        keeper is new: its node was lost whole); none when it has none."""
+        """The successor's copies of the rank ``key``'s bases (or its own: the rank ran there),
+        held as this keeper's own (this keeper is new: its node was lost whole, or the rank
+        moved); none when it has none."""
         reply = self.link.ask({"op": Op.BASE_COPY_FETCH, "identity": dict(key)}, into=self.folder)
         if reply is None:
             return []

@@ -99,6 +99,14 @@ class HostedReplicas:
     buckets of the dense gradient shard) and step scalars, asynchronously; that keeper steps a
     replica of its own, one behind as here. A fresh keeper asked for a replica it does not hold
     adopts its successor's copy into its shared-memory folder and serves it as its own.
+
+    A rank may also come back on another node: torchrun's rendezvous seats the nodes in the
+    order of their addresses (then of their agents' process ids), not by ``--node-rank``, so a
+    node that comes back can take node 0's ranks, its old ones going to node 0. A keeper asked
+    for a rank it holds a copy of (the rank ran on the previous node) serves that copy as its
+    own; one asked by its predecessor for a rank it holds the replica of (the rank runs there
+    now) hands that replica over, its diff log written out first, and lets it go; so does one
+    whose predecessor opens a copy of a rank whose replica it holds.
     """
 
     def __init__(self, state: Any, folder: str, link: Any = None):
@@ -359,6 +367,8 @@ class HostedReplicas:
     def _copy(self, op: str, key: tuple, req: dict, payload: bytearray) -> tuple[dict, bytes]:
         """A request of the previous node's keeper about its copy of one rank's replica."""
         if op == Op.REPLICA_COPY_OPEN:
+            if key in self._replicas:  # the rank runs on the previous node now, anchored there
+                self._moved_away(key)
             with self._lock:
                 previous = self._copies.get(key)
                 copy = HostedReplica(req, payload_slice(payload, req["record"]), None)
@@ -388,15 +398,16 @@ class HostedReplicas:
             return {"ok": True}, b""
         copy = self._copies.get(key)
         if op == Op.REPLICA_COPY_FETCH:
+            moved = copy is None and key in self._replicas  # the rank runs on the previous node
+            if moved:
+                self._rolling.join()  # LowDiff's: every differential handed over stepped in
+                copy = self._replicas.get(key)
+                moved = copy is not None
             if copy is None:
                 return {"copy": None}, b""
-            parts = Parts(self.folder)  # a recovery's: taken now, the copy steps on meanwhile
-            try:
-                with copy.lock:
-                    header = copy_of(copy, parts)
-            except BaseException:
-                parts.release()
-                raise
+            header, parts = self._taken(copy)  # a recovery's: the copy steps on meanwhile
+            if moved:
+                self._moved_away(key)
             return {"copy": header}, parts
         if op == Op.REPLICA_COPY_MERGE:
             if copy is None:
@@ -411,16 +422,29 @@ class HostedReplicas:
         return {"error": f"unknown request {op!r}"}, b""
 
     def _adopt(self, key: tuple, identity: dict) -> HostedReplica | None:
-        """The successor's copy of ``identity``'s replica, as this keeper's own (this keeper is
-        new: the node was lost whole), in files the rank maps; ``None``: no copy."""
+        """A replica of ``identity`` as this keeper's own, in files the rank maps: this keeper's
+        copy of it (the rank ran on the previous node), else the successor's copy (this keeper
+        is new: the node was lost whole) or the successor's replica (the rank ran there);
+        ``None``: none of them."""
         if self.link is None:
             return None
-        reply = self.link.ask({"op": Op.REPLICA_COPY_FETCH, "identity": identity}, self.folder)
-        if reply is None:
-            return None
-        payload = reply[1]
+        copy = self._copies.get(key)
+        if copy is not None:
+            header, parts = self._taken(copy)
+            try:
+                payload = parts.received(header)
+            finally:
+                parts.release()
+            self._drop(self._copies, key)  # its bytes against the cap: the replica's now
+            tier = f"the node's keeper (its copy of node {self._predecessor()}'s replica)"
+        else:
+            reply = self.link.ask({"op": Op.REPLICA_COPY_FETCH, "identity": identity}, self.folder)
+            if reply is None:
+                return None
+            header, payload = reply[0].get("copy"), reply[1]
+            tier = f"the keeper of node {self.link.successor} (a peer)"
         try:
-            replica = self._adopt_from(key, reply[0].get("copy"), payload)
+            replica = self._adopt_from(key, header, payload, tier)
         finally:
             payload.release()  # the files of a copy not taken
         if replica is None:
@@ -434,8 +458,35 @@ class HostedReplicas:
         )
         return replica
 
+    def _taken(self, replica: HostedReplica) -> tuple[dict, Parts]:
+        """``replica`` as it is now, for another holder: :func:`copy_of`'s header and payload."""
+        parts = Parts(self.folder)
+        try:
+            with replica.lock:
+                return copy_of(replica, parts), parts
+        except BaseException:
+            parts.release()
+            raise
+
+    def _moved_away(self, key: tuple) -> None:
+        """The rank ``key`` runs on another node now, whose keeper holds its replica: this
+        keeper's goes, the diff log it wrote for the rank written out first (the other keeper's
+        writer takes the rank's folder over)."""
+        log = self._logs.pop(key, None)
+        if log is not None:
+            try:
+                log.close()
+            except Exception as exc:  # noqa: BLE001 - what it held reaches storage from the other
+                logger.warning("keeper: the diff log of %s: %s", rank_name(key), exc)
+        self._rolled_ranks.discard(key)
+        self._drop(self._replicas, key)
+        logger.info("keeper: %s runs on another node now: its replica here goes", rank_name(key))
+
+    def _predecessor(self) -> int:
+        return (self.link.node - 1) % self.link.nnodes
+
     def _adopt_from(
-        self, key: tuple, header: dict | None, payload: Received
+        self, key: tuple, header: dict | None, payload: Received, tier: str
     ) -> HostedReplica | None:
         if header is None:
             return None
@@ -462,7 +513,7 @@ class HostedReplicas:
                 raise
             if replica.rng is not None:
                 self._rolled_ranks.add(key)  # LowDiff's: the rank's differentials step it on
-            replica.tier = f"the keeper of node {self.link.successor} (a peer)"
+            replica.tier = tier
             refused = self._install(self._replicas, key, replica, None)
             if refused:
                 logger.warning("keeper: the peer's copy does not fit here: %s", refused)

@@ -95,6 +95,41 @@ class Parts:
             spec.update(placed)
         return out
 
+    def received(self, header: dict[str, Any]) -> Received:
+        """What :func:`receive` makes of this payload sent with ``header``, without a socket (a
+        keeper handing itself what it would hand a peer): each tensor ``header`` describes keeps
+        its file, the result's now (its spec names it in place of its offset); every other item
+        becomes the result's bytes. The files not handed over stay this payload's (:meth:`release`
+        removes them)."""
+        items, at = {}, 0
+        for item in self._items:
+            items[at] = item
+            at += len(item) if isinstance(item, bytes) else item[1]
+        out = Received(self.folder)
+        try:
+            for spec in sorted(tensor_specs(header), key=lambda s: s["offset"]):
+                start, size = int(spec.pop("offset")), tensor_nbytes(spec)
+                if size == 0:  # no item of its own: an empty file, as receive makes
+                    spec["file"] = os.path.join(self.folder, f"in-{uuid.uuid4().hex}")
+                    out.files.add(spec["file"])
+                    create_tensor(spec)
+                    continue
+                item = items.pop(start, None)
+                if not (isinstance(item, tuple) and item[1] == size):
+                    raise ValueError(f"no tensor file at bytes {start}..{start + size}")
+                self._files.remove(item[0])
+                out.files.add(item[0])
+                spec["file"] = item[0]
+            for start, item in items.items():
+                if not isinstance(item, bytes):
+                    with open(item[0], "rb") as f:
+                        item = f.read()
+                out._gaps.append((start, bytearray(item)))
+        except BaseException:
+            out.release()
+            raise
+        return out
+
     def send(self, sock: socket.socket) -> None:
         """The payload's bytes, in order (files by ``sendfile``: kernel to kernel)."""
         for item in self._items:
