@@ -1,10 +1,12 @@
 """CPU mode: run real megatron-core on CPU processes with the gloo backend.
 
 megatron-core assumes a GPU in a handful of places (tensor factories with ``device="cuda"``,
-``torch.cuda.current_device()``, the CUDA RNG tracker, ``torch.cuda.synchronize()``, and
-``Tensor.type()`` checks against ``torch.cuda.*Tensor``). This module maps exactly those calls to
-their CPU meaning so that GPTModel, megatron DDP, the DistributedOptimizer, the pipeline schedules
-and ``dist_checkpointing`` run unmodified on a machine without a GPU: the demo and CI use it.
+``torch.cuda.current_device()``, the CUDA RNG tracker, ``torch.cuda.synchronize()``,
+``Tensor.type()`` checks against ``torch.cuda.*Tensor``, and for mixture-of-experts the router's
+gemm and the alltoall dispatcher's streams and host copies). This module maps exactly those
+calls to their CPU meaning so that GPTModel, megatron DDP, the DistributedOptimizer, the pipeline
+schedules and ``dist_checkpointing`` run unmodified on a machine without a GPU: the demo and CI
+use it.
 
 Rules:
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import sys
@@ -139,11 +142,34 @@ def _noop(original: Callable) -> Callable:
     return _const(None)(original)
 
 
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``: on CPU every recorded piece of work is done."""
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+
 class _CpuStream:
-    """Stands in for ``torch.cuda.Stream`` on CPU, where all work is ordered on the host."""
+    """Stands in for ``torch.cuda.Stream`` on CPU, where all work is ordered on the host: every
+    stream is the same one (the MoE token dispatcher's side stream is its current stream)."""
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self) -> int:
+        return hash(_CpuStream)
 
     def wait_stream(self, stream):
         pass
@@ -152,7 +178,7 @@ class _CpuStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        return event if event is not None else _CpuEvent()
 
     def synchronize(self):
         pass
@@ -327,6 +353,20 @@ def _staging_copy(original: Any) -> Any:
     return staticmethod(preload_tensors)
 
 
+def _host_splits(original: Callable) -> Callable:
+    """``maybe_move_tensor_to_cpu`` for CPU tensors: the MoE alltoall dispatcher's split sizes
+    as numpy arrays, which megatron gets from a device tensor's host copy and hands to
+    ``all_to_all_single`` (which takes no tensor there)."""
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy, record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
 def _megatron_patches():
     """Patches on megatron modules, applied after the torch patches (this imports megatron)."""
     from megatron_diffckpt.patches.base import MethodPatch, PatchSet
@@ -355,8 +395,36 @@ def _megatron_patches():
                 make_wrapper=_staging_copy,
                 purpose="stage a copy of what the persistent async-save worker writes (CPU mode)",
             ),
+            MethodPatch(
+                target="megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+                expected_signature="(tensor: torch.Tensor, as_numpy: bool = False, "
+                "record_stream: bool = False) -> torch.Tensor",
+                make_wrapper=_host_splits,
+                purpose="give the MoE alltoall dispatcher its split sizes on the host (CPU mode)",
+            ),
         )
     )
+
+
+# Names megatron-core imports from transformer-engine only, with no binding otherwise, and then
+# tests for ``None`` before falling back to torch: bound to ``None`` while CPU mode is on where
+# the module lacks them (from megatron-core 0.17 on it binds them to ``None`` itself).
+_TE_ONLY_NAMES = (
+    (
+        "megatron.core.transformer.moe.moe_utils",
+        "te_general_gemm",
+        "RouterGatingLinearFunction: the MoE router's gemm (torch.mm without it)",
+    ),
+)
+_bound: list[tuple[Any, str]] = []  # (module, name) bound to None by enable()
+
+
+def _bind_te_only_names() -> None:
+    for module_name, name, _serves in _TE_ONLY_NAMES:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            setattr(module, name, None)
+            _bound.append((module, name))
 
 
 def _allow_no_cuda(original: Callable) -> Callable:
@@ -480,6 +548,7 @@ def enable() -> None:
     _apply(_TORCH_PATCHES)
     try:
         megatron_patches.apply()
+        _bind_te_only_names()
     except Exception:
         disable()
         raise
@@ -507,6 +576,8 @@ def disable() -> None:
     _compile_off.clear()
     while _megatron_applied:
         _megatron_applied.pop().revert()
+    while _bound:
+        delattr(*_bound.pop())
     while _applied:
         owner, name, original = _applied.pop()
         setattr(owner, name, original)

@@ -127,6 +127,36 @@ def test_global_batch_must_be_a_multiple_of_micro_batch_times_dp():
     assert "--global-batch-size 6 is not a multiple of" in err and "= 8" in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "world", "message"),
+    [
+        ("--expert-model-parallel-size 2", 2, "--expert-model-parallel-size 2 needs --num-experts"),
+        ("--num-experts 4", 2, "--num-experts needs --disable-bias-linear"),
+        (
+            "--num-experts 4 --disable-bias-linear --expert-model-parallel-size 2",
+            3,
+            "--expert-model-parallel-size 2 does not divide the data-parallel size 3",
+        ),
+        (
+            "--num-experts 3 --disable-bias-linear --expert-model-parallel-size 2",
+            2,
+            "--num-experts 3 is not divisible by --expert-model-parallel-size 2",
+        ),
+        ("--num-experts 2 --disable-bias-linear --moe-router-topk 3", 2, "--moe-router-topk 3 is"),
+        (  # differential checkpointing: not yet with expert parallelism
+            "--num-experts 4 --disable-bias-linear --expert-model-parallel-size 2 "
+            "--diffckpt-mode lowdiff --save ckpt",
+            2,
+            "context or expert parallelism is not supported yet",
+        ),
+    ],
+)
+def test_mixture_of_experts_flags_are_checked(flags, world, message):
+    micro = ["--micro-batch-size", "1", "--global-batch-size", str(world)]
+    err = _error(_parse("--train-iters", "2", *micro, *flags.split(), world_size=world))
+    assert message in err, err
+
+
 def test_valid_flags_derive_the_schedule():
     args = parse_args(
         [

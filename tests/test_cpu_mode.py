@@ -217,3 +217,38 @@ def test_async_staging_copies_shared_tensors_and_only_those():
         """
     )
     assert out.strip() == "ok"
+
+
+def test_the_moe_pieces_megatron_takes_from_transformer_engine_have_their_torch_path():
+    """The MoE router's gemm (imported from transformer-engine only in megatron-core 0.16) is
+    ``None`` while CPU mode is on, so megatron's torch.mm path runs, and gone again after; the
+    alltoall dispatcher's side stream is the current stream, its event done, its split sizes
+    host arrays."""
+    out = _ok(
+        """
+        import torch
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+        had = "te_general_gemm" in vars(moe_utils) and moe_utils.te_general_gemm is not None
+        if not had:  # without transformer-engine
+            assert moe_utils.te_general_gemm is None
+            x, w = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+            y = moe_utils.router_gating_linear(x, w, None, torch.float32)
+            y.sum().backward()
+            assert torch.allclose(y, x @ w.t()) and x.grad is not None and w.grad is not None
+        assert torch.cuda.Stream() == torch.cuda.current_stream()
+        event = torch.cuda.Stream().record_event()
+        event.synchronize()
+        assert event.query()
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+        assert list(splits) == [3, 1] and not torch.is_tensor(splits)
+        t = torch.tensor([2])
+        assert token_dispatcher.maybe_move_tensor_to_cpu(t) is t
+        cpu_mode.disable()
+        if not had:
+            assert not hasattr(moe_utils, "te_general_gemm")
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"

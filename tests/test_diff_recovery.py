@@ -26,6 +26,10 @@ LAYOUTS = {
     "tp1-pp1-dp2": "--use-distributed-optimizer --overlap-grad-reduce",
     "tp2-pp1-dp1": "--tensor-model-parallel-size 2 --use-distributed-optimizer",
     "tp1-pp2-dp1": "--pipeline-model-parallel-size 2",
+    # mixture of experts, the experts replicated over data parallelism (expert-parallel size 1):
+    # their gradients in megatron's expert buffers, reduced over the expert-data-parallel group
+    "moe-ep1-dp2": "--use-distributed-optimizer --overlap-grad-reduce --num-experts 4 "
+    "--moe-router-topk 2 --moe-token-dispatcher-type alltoall --disable-bias-linear",
 }
 
 
@@ -66,17 +70,20 @@ def test_sigkill_then_replay_is_bit_exact(tmp_path, layout):
 
 
 @pytest.mark.distributed
-def test_compressed_training_recovers_the_exact_state_at_t(tmp_path):
+@pytest.mark.parametrize("layout", ["tp1-pp1-dp2", "moe-ep1-dp2"])
+def test_compressed_training_recovers_the_exact_state_at_t(tmp_path, layout):
     """With the top-k exchange, base + replay rebuilds the state at T bit for bit.
 
     The error-feedback residuals are local state no gradient can rebuild: after a replay they are
     the base's (invariant 6), so training on from T differs from the uninterrupted run by what the
     residuals held at T. What holds, and is checked: parameters and optimizer state at T are
-    ``torch.equal``; the losses after T stay within 2% of the uninterrupted run's.
+    ``torch.equal``; the losses after T stay within 2% of the uninterrupted run's. With
+    mixture of experts, the expert buckets go through the top-k exchange over their
+    expert-data-parallel group.
     """
     common = [
         *TINY_GPT,
-        *LAYOUTS["tp1-pp1-dp2"].split(),
+        *LAYOUTS[layout].split(),
         "--lr-decay-iters",
         "100",
         "--diffckpt-compressor",

@@ -164,9 +164,17 @@ def _resume_and_compare(tmp_path, args, ckpt, total: int, interval: int) -> int:
     return recovered
 
 
+MOE = (
+    "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --disable-bias-linear"
+)
+
+
 @pytest.mark.distributed
-def test_sigkill_while_merging_recovers_exactly_from_base_and_differentials(tmp_path):
-    args = [*COMMON, "--overlap-grad-reduce"]
+@pytest.mark.parametrize("model", ["dense", "moe-ep1"])
+def test_sigkill_while_merging_recovers_exactly_from_base_and_differentials(tmp_path, model):
+    """Mixture of experts too (4 experts, top-2, experts replicated over data parallelism): the
+    expert buckets' snapshots merge into the replica with the dense ones."""
+    args = [*COMMON, "--overlap-grad-reduce", *(MOE.split() if model == "moe-ep1" else [])]
     ckpt = tmp_path / "ckpt"
     run_until_killed(
         [*args, "--train-iters", "1000", *_plus(ckpt, 4)],

@@ -44,6 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=_positive(int), default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=_positive(int),
+        default=1,
+        help="Ranks the experts of each MoE layer are split over (within data parallelism).",
+    )
+
+    g = p.add_argument_group("mixture of experts (Megatron-LM's flags and defaults)")
+    g.add_argument(
+        "--num-experts",
+        type=_positive(int),
+        default=None,
+        help="Experts per MLP layer (megatron's local MoE layer); none: a dense MLP.",
+    )
+    g.add_argument("--moe-router-topk", type=_positive(int), default=2)
+    g.add_argument(
+        "--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather"
+    )
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=_positive(int), default=2)
@@ -55,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument(
+        "--disable-bias-linear",
+        action="store_true",
+        help="No bias in the linear layers (Megatron-LM's flag; MoE models need it here).",
+    )
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
 
@@ -182,6 +206,31 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
             f"{args.data_parallel_size} = {per_step}"
         )
     args.num_microbatches = args.global_batch_size // per_step
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None and ep > 1:
+        parser.error(f"--expert-model-parallel-size {ep} needs --num-experts")
+    if args.num_experts is not None:
+        if not args.disable_bias_linear:
+            parser.error(
+                "--num-experts needs --disable-bias-linear: megatron's local expert MLPs add "
+                "their bias in place to a tensor autograd forbids changing (megatron-core "
+                "0.16-0.19), and Megatron-LM's MoE recipes run without biases"
+            )
+        if args.data_parallel_size % ep != 0:
+            parser.error(
+                f"--expert-model-parallel-size {ep} does not divide the data-parallel size "
+                f"{args.data_parallel_size}"
+            )
+        if args.num_experts % ep != 0:
+            parser.error(
+                f"--num-experts {args.num_experts} is not divisible by "
+                f"--expert-model-parallel-size {ep}"
+            )
+        if args.moe_router_topk > args.num_experts:
+            parser.error(
+                f"--moe-router-topk {args.moe_router_topk} is larger than --num-experts "
+                f"{args.num_experts}"
+            )
     if args.num_layers % pp != 0:
         parser.error(
             f"--num-layers {args.num_layers} is not divisible by "

@@ -89,6 +89,7 @@ def initialize(args) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )
     # As Megatron-LM's _set_random_seed: a different seed per pipeline stage, the same on every
     # data-parallel rank; the tracker derives the tensor-parallel seeds from it.
@@ -138,10 +139,16 @@ def build_model_and_optimizer(args):
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        add_bias_linear=not args.disable_bias_linear,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(),
+        transformer_layer_spec=_layer_spec(args.num_experts),
         vocab_size=VOCAB_SIZE,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -206,18 +213,20 @@ def build_model_and_optimizer(args):
     return model, optimizer, scheduler, exchange
 
 
-def _layer_spec():
+def _layer_spec(num_experts: int | None):
+    """transformer-engine's layer where it is installed, megatron's local one elsewhere; a MoE
+    MLP with ``num_experts`` (its experts as separate MLPs: no grouped gemm)."""
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm=False)
     except ImportError:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        return get_gpt_layer_local_spec()
+        return get_gpt_layer_local_spec(num_experts, moe_grouped_gemm=False)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
