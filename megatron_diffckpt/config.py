@@ -382,8 +382,8 @@ class DiffCkptConfig:
             yield f"{mode} does not support fp16 loss scaling yet; use --bf16 or fp32"
         if self.full_interval == 0 and not flag("save_interval", 0):
             yield f"{mode} needs --diffckpt-full-interval or --save-interval"
-        if flag("context_parallel_size", 1) > 1 or flag("expert_model_parallel_size", 1) > 1:
-            yield "context or expert parallelism is not supported yet"
+        if flag("context_parallel_size", 1) > 1:
+            yield "context parallelism is not supported yet"
         if flag("iterations_to_skip", None):
             yield "--iterations-to-skip leaves gaps that no differential can fill"
 

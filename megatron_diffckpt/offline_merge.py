@@ -270,13 +270,22 @@ def _update_rng(obj: Any, states: dict[str, Any]) -> Any:
 def _rng_entries(entries: dict[str, Any], chains: list[RankChain], problems: list[str]) -> None:
     """Move the ``rng_state`` entries to the target: one per (PP, TP) rank, holding its DP rank
     0's states (or, as a list with one entry per DP rank, each rank's own: Megatron-LM's
-    ``--data-parallel-random-init``). Where the base has no such entry, ``problems`` says so."""
+    ``--data-parallel-random-init``); with expert parallelism, Megatron-LM keeps one per
+    (PP, TP, DP) rank, each its own. Where the base has no such entry, ``problems`` says so."""
     by_model_rank: dict[tuple[int, int], dict[int, RankChain]] = {}
     for chain in chains:
         tp, pp, dp = chain.shard_map.rank
         by_model_rank.setdefault((tp, pp), {})[dp] = chain
     for (tp, pp), per_dp in sorted(by_model_rank.items()):
         tp_size, pp_size, dp_size = per_dp[0].shard_map.parallel
+        states = {dp: rng_states_at(c.records) for dp, c in per_dp.items()}
+        per_rank = {
+            dp: f"rng_state/shard_{pp}.{tp}.{dp}_{pp_size}.{tp_size}.{dp_size}" for dp in states
+        }
+        if all(k in entries for k in per_rank.values()):  # expert parallelism: per DP rank
+            for dp, k in per_rank.items():
+                entries[k] = dump_object(_update_rng(load_object(entries[k]), states[dp]))
+            continue
         key = f"rng_state/shard_{pp}.{tp}_{pp_size}.{tp_size}"
         if key not in entries:
             problems.append(
@@ -284,7 +293,6 @@ def _rng_entries(entries: dict[str, Any], chains: list[RankChain], problems: lis
                 "base's"
             )
             continue
-        states = {dp: rng_states_at(c.records) for dp, c in per_dp.items()}
         obj = load_object(entries[key])
         if isinstance(obj, list) and len(obj) == dp_size > 1:
             obj = [_update_rng(o, states[dp]) for dp, o in enumerate(obj)]

@@ -419,17 +419,17 @@ def step_replica(
                 p.grad = None
 
 
-def host_group_like(group: Any) -> Any:
+def host_group_like(group: Any, made: dict[tuple[int, ...], Any] | None = None) -> Any:
     """A gloo group with the ranks of ``group``, for the host-side collectives of a background
     thread (its own communicator, so it never interleaves with the training thread's).
+    ``made``: the groups earlier calls made, by ranks, reused (the same on every rank).
     All ranks of the world, collectively."""
+    made = {} if made is None else made
     world = torch.distributed.get_world_size()
     mine = tuple(torch.distributed.get_process_group_ranks(group))
     everyone: list[Any] = [None] * world
     torch.distributed.all_gather_object(everyone, mine)
-    result = None
     for ranks in sorted(set(everyone)):
-        created = torch.distributed.new_group(list(ranks), backend="gloo")
-        if ranks == mine:
-            result = created
-    return result
+        if ranks not in made:
+            made[ranks] = torch.distributed.new_group(list(ranks), backend="gloo")
+    return made[mine]

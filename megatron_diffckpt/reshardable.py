@@ -49,10 +49,12 @@ def to_reshardable(
     layout: ``(entries, common, notes)``. ``entries`` is not changed."""
     inner = {len(m.inner) for m in shard_maps}
     if inner != {1} or any(m.inner[0] is None for m in shard_maps):
+        counts = " or ".join(map(str, sorted(inner)))
         raise ReshardError(
             "--reshardable writes one distributed optimizer per rank; this run's ranks have "
-            f"{sorted(inner)} inner optimizers (a chained optimizer): resume it under its own "
-            "layout instead"
+            f"{counts} inner optimizers (a chained optimizer, e.g. a mixture of experts' dense "
+            "and expert parameters): merge without --reshardable and resume it under its own "
+            "parallel layout instead"
         )
     notes: list[str] = []
     out: dict[str, Any] = {}

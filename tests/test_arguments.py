@@ -143,12 +143,6 @@ def test_global_batch_must_be_a_multiple_of_micro_batch_times_dp():
             "--num-experts 3 is not divisible by --expert-model-parallel-size 2",
         ),
         ("--num-experts 2 --disable-bias-linear --moe-router-topk 3", 2, "--moe-router-topk 3 is"),
-        (  # differential checkpointing: not yet with expert parallelism
-            "--num-experts 4 --disable-bias-linear --expert-model-parallel-size 2 "
-            "--diffckpt-mode lowdiff --save ckpt",
-            2,
-            "context or expert parallelism is not supported yet",
-        ),
     ],
 )
 def test_mixture_of_experts_flags_are_checked(flags, world, message):

@@ -230,3 +230,14 @@ def test_lowdiff_plus_auto_tune_needs_the_diff_log_it_measures():
     DiffCkptConfig(mode="lowdiff-plus", auto_tune=True)  # chooses between the log and bases
     with pytest.raises(DiffCkptUsageError, match="measures the diff log"):
         DiffCkptConfig(mode="lowdiff-plus", auto_tune=True, options=DiffCkptOptions(diff_log=False))
+
+
+@pytest.mark.parametrize("mode", ["lowdiff", "lowdiff-plus"])
+def test_context_parallelism_is_refused_expert_parallelism_is_not(mode):
+    """Megatron-LM's flags as a launch gives them: context parallelism is refused in one line
+    (megatron runs it only with transformer-engine); expert parallelism passes."""
+    config = DiffCkptConfig(mode=mode, full_interval=5)
+    launch = dict(save="s", load="s", use_distributed_optimizer=True)
+    config.check_launch(argparse.Namespace(**launch, expert_model_parallel_size=2))
+    with pytest.raises(DiffCkptUsageError, match="^context parallelism is not supported yet$"):
+        config.check_launch(argparse.Namespace(**launch, context_parallel_size=2))

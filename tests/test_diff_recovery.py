@@ -30,6 +30,9 @@ LAYOUTS = {
     # their gradients in megatron's expert buffers, reduced over the expert-data-parallel group
     "moe-ep1-dp2": "--use-distributed-optimizer --overlap-grad-reduce --num-experts 4 "
     "--moe-router-topk 2 --moe-token-dispatcher-type alltoall --disable-bias-linear",
+    "moe-ep2-dp2": "--use-distributed-optimizer --overlap-grad-reduce --num-experts 4 "
+    "--moe-router-topk 2 --moe-token-dispatcher-type alltoall --disable-bias-linear "
+    "--expert-model-parallel-size 2",
 }
 
 
@@ -70,7 +73,7 @@ def test_sigkill_then_replay_is_bit_exact(tmp_path, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["tp1-pp1-dp2", "moe-ep1-dp2"])
+@pytest.mark.parametrize("layout", ["tp1-pp1-dp2", "moe-ep1-dp2", "moe-ep2-dp2"])
 def test_compressed_training_recovers_the_exact_state_at_t(tmp_path, layout):
     """With the top-k exchange, base + replay rebuilds the state at T bit for bit.
 

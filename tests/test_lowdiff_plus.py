@@ -170,11 +170,12 @@ MOE = (
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("model", ["dense", "moe-ep1"])
+@pytest.mark.parametrize("model", ["dense", "moe-ep1", "moe-ep2"])
 def test_sigkill_while_merging_recovers_exactly_from_base_and_differentials(tmp_path, model):
     """Mixture of experts too (4 experts, top-2, experts replicated over data parallelism): the
     expert buckets' snapshots merge into the replica with the dense ones."""
-    args = [*COMMON, "--overlap-grad-reduce", *(MOE.split() if model == "moe-ep1" else [])]
+    args = [*COMMON, "--overlap-grad-reduce", *(MOE.split() if model != "dense" else [])]
+    args += ["--expert-model-parallel-size", "2"] if model == "moe-ep2" else []
     ckpt = tmp_path / "ckpt"
     run_until_killed(
         [*args, "--train-iters", "1000", *_plus(ckpt, 4)],

@@ -83,6 +83,18 @@ LAYOUTS = {  # flags, the two ranks' diff-log folders
     "dp2-async-save": (f"--overlap-grad-reduce {ASYNC_SAVE}", ("rank_0_0_0", "rank_0_0_1")),
     "tp2-bf16": ("--tensor-model-parallel-size 2 --bf16", ("rank_0_0_0", "rank_1_0_0")),
     "pp2": ("--pipeline-model-parallel-size 2", ("rank_0_0_0", "rank_0_1_0")),
+    # mixture of experts, the experts replicated over data parallelism (EP=1)
+    "moe-ep1-dp2": (
+        "--overlap-grad-reduce --num-experts 4 --moe-router-topk 2 "
+        "--moe-token-dispatcher-type alltoall --disable-bias-linear",
+        ("rank_0_0_0", "rank_0_0_1"),
+    ),
+    "moe-ep2-dp2": (  # two experts on each rank
+        "--overlap-grad-reduce --num-experts 4 --moe-router-topk 2 "
+        "--moe-token-dispatcher-type alltoall --disable-bias-linear "
+        "--expert-model-parallel-size 2",
+        ("rank_0_0_0", "rank_0_0_1"),
+    ),
 }
 
 

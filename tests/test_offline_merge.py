@@ -50,6 +50,13 @@ LAYOUTS = {  # flags, --diffckpt-mode, the two ranks' diff-log folders
     ),
     # LowDiff+: the merger's dense records are differentials of the same kind.
     "tp1-pp1-dp2-plus": ("--use-distributed-optimizer --overlap-grad-reduce", "lowdiff-plus", DP2),
+    # mixture of experts, two of the four experts on each rank
+    "moe-ep2-dp2": (
+        "--use-distributed-optimizer --overlap-grad-reduce --num-experts 4 --moe-router-topk 2 "
+        "--moe-token-dispatcher-type alltoall --disable-bias-linear --expert-model-parallel-size 2",
+        "lowdiff",
+        DP2,
+    ),
 }
 
 
@@ -76,7 +83,8 @@ def test_merged_base_resumes_like_uninterrupted_training(tmp_path, layout):
     proc = run_cli("merge", str(ckpt), "--iteration", str(MERGE_AT), "--out", str(merged))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"merged base {BASE_INTERVAL} and 6 differential(s) of 2 rank(s)" in proc.stdout
-    assert "[replay 6-8 on 2 ranks] 6/6 steps" in proc.stderr  # the progress line
+    steps = 6 * (2 if "moe" in layout else 1)  # a step per rank, iteration and optimizer
+    assert f"[replay 6-8 on 2 ranks] {steps}/{steps} steps" in proc.stderr  # the progress line
     assert (merged / "latest_checkpointed_iteration.txt").read_text() == str(MERGE_AT)
     assert sorted(p.name for p in merged.iterdir()) == [
         "iter_0000008",

@@ -167,3 +167,25 @@ def test_the_topk_residuals_are_dropped_with_a_note(tmp_path):
     assert "note: dropped the error-feedback residuals" in merge.stdout
     tensors = read_metadata(str(merged / "iter_0000003")).state_dict_metadata
     assert not any("diffckpt_error_feedback" in k for k in tensors)
+
+
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall".split()
+MOE += ["--disable-bias-linear"]
+
+
+@pytest.mark.distributed
+def test_a_mixture_of_experts_merge_reshardable_is_refused_in_one_line(tmp_path):
+    """Mixture of experts (4 experts, top-2, two on each rank): its ranks step two optimizers
+    (dense and expert parameters), which ``--reshardable`` does not write yet; the refusal is one
+    line naming what works (a merge resumed under the same layout:
+    ``tests/test_offline_merge.py``)."""
+    ckpt = tmp_path / "ckpt"
+    job = [*COMMON, *MOE, "--expert-model-parallel-size", "2", "--save", str(ckpt)]
+    job += ["--save-interval", "5", "--diffckpt-mode", "lowdiff", "--train-iters", "20"]
+    run_until_killed(job, kill_after=KILL_AFTER)
+    merge = run_cli("merge", str(ckpt), "--out", str(tmp_path / "merged"), "--reshardable")
+    assert merge.returncode == 1, merge.stdout + merge.stderr
+    errors = [x for x in merge.stderr.splitlines() if x.startswith("megatron-diffckpt merge:")]
+    assert len(errors) == 1 and "Traceback" not in merge.stderr, merge.stderr
+    assert "2 inner optimizers" in errors[0] and "merge without --reshardable" in errors[0]
+    assert not (tmp_path / "merged").exists()

@@ -43,8 +43,8 @@ to the :class:`~megatron_diffckpt.manager.DiffCheckpointManager` through its pub
 7. ``megatron.core.datasets.utils.compile_helpers``: skipped when the compiled helpers import
    (megatron-core wheels ship them, without the Makefile that Megatron-LM's start-up runs).
 
-Refused, with the flag to change (:meth:`DiffCkptConfig.check_launch`): context or expert
-parallelism, ``--iterations-to-skip``, LowDiff+ without the distributed optimizer, with fp16
+Refused, with the flag to change (:meth:`DiffCkptConfig.check_launch`): context parallelism,
+``--iterations-to-skip``, LowDiff+ without the distributed optimizer, with fp16
 loss scaling or with ``--dist-ckpt-optim-fully-reshardable``.
 """
 

@@ -75,16 +75,16 @@ def replica_view(optimizer: Any, replicas: list[torch.optim.Optimizer | None]) -
 class ReplicaModelParams:
     """Host copies of this rank's model parameters, rebuilt from the replica's shards.
 
-    Built on the training thread; :meth:`fill` runs on the persister thread, collectively over the
-    data-parallel ranks of ``host_group`` (a gloo group of the same ranks as the optimizer's DP
-    group).
+    Built on the training thread; :meth:`fill` runs on the persister thread, collectively over
+    ``host_groups`` (per inner optimizer, a gloo group of the same ranks as its data-parallel
+    group: the dense one, and with mixture of experts the expert-data-parallel one).
     """
 
-    def __init__(self, optimizer: Any, layout: ShardLayout, host_group: Any):
-        self.host_group = host_group
+    def __init__(self, optimizer: Any, layout: ShardLayout, host_groups: list[Any]):
+        self.host_groups = host_groups
         self.params: dict[int, torch.Tensor] = {}  # id(model param) -> host tensor
         self._by_ptr: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        self._buckets = []  # (key, world numel, [(model param, start, end, host)])
+        self._buckets = []  # (key, inner optimizer, world numel, [(start, end, host)])
         for i, inner in enumerate(inner_optimizers(optimizer)):
             if getattr(inner, "is_stub_optimizer", False):
                 continue
@@ -97,7 +97,7 @@ class ReplicaModelParams:
                         self._by_ptr[(param.data_ptr(), param.numel(), param.dtype)] = host
                         entries.append((start, end, host))
                     self._buckets.append(
-                        (bucket_key(i, gbuf_idx, bucket_idx), bucket.grad_data.numel(), entries)
+                        (bucket_key(i, gbuf_idx, bucket_idx), i, bucket.grad_data.numel(), entries)
                     )
         self._layout = layout
         self.nbytes = sum(host.nbytes for host in self.params.values())
@@ -122,9 +122,8 @@ class ReplicaModelParams:
     @torch.no_grad()
     def fill(self, replicas: list[torch.optim.Optimizer | None]) -> None:
         """Gather the replica's main-parameter shards of every bucket over the data-parallel
-        ranks and cast them into the host parameters. The persister thread, collectively over
-        ``host_group``."""
-        world = torch.distributed.get_world_size(self.host_group)
+        ranks that shard it and cast them into the host parameters. The persister thread,
+        collectively over ``host_groups``."""
         flat_shards: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
         for i, replica in enumerate(replicas):
             if replica is None:
@@ -133,13 +132,15 @@ class ReplicaModelParams:
                 for k, p in enumerate(group["params"]):
                     where = self._layout[i][g][k]
                     flat_shards.setdefault(where.bucket, []).append((where.start, where.end, p))
-        for key, world_numel, entries in self._buckets:
+        for key, inner, world_numel, entries in self._buckets:
+            group = self.host_groups[inner]
+            world = torch.distributed.get_world_size(group)
             local = torch.zeros(world_numel // world, dtype=torch.float32)
             for start, end, p in flat_shards.get(key, []):
                 local[start:end] = p.detach().reshape(-1)
             if world > 1:
                 full = torch.empty(world_numel, dtype=torch.float32)
-                torch.distributed.all_gather_into_tensor(full, local, group=self.host_group)
+                torch.distributed.all_gather_into_tensor(full, local, group=group)
             else:
                 full = local
             for start, end, host in entries:

@@ -183,14 +183,20 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             if params:
                 self._first_param[id(params[0])] = i
         dp_group = next(o for o in inners if not getattr(o, "is_stub_optimizer", False))
-        self._host_group = host_group_like(dp_group.data_parallel_group)
+        made: dict[tuple[int, ...], Any] = {}  # per inner optimizer (experts: their DP group)
+        host_groups = [
+            host_group_like(
+                getattr(o, "data_parallel_group", None) or dp_group.data_parallel_group, made
+            )
+            for o in inners
+        ]
         self._handed: HandedWrites | None = None  # the keeper writing the base files
         if self.in_keeper and keeper_writes_bases:
             staging = StagingArea(keeper_merger.arena.folder)  # the keeper's folder
             self._handed = HandedWrites(
                 keeper.sibling(timeout=None), staging, warm=base_checkpoint.write_files
             )
-        self.model_params = ReplicaModelParams(optimizer, layout, self._host_group)
+        self.model_params = ReplicaModelParams(optimizer, layout, host_groups)
         self._persist_copies: list[torch.optim.Optimizer | None] | None = None
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="diffckpt-persister")
         self._inputs = StepInputs()
