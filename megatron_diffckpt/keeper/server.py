@@ -402,13 +402,35 @@ def serve(
     replicas and their snapshot slots (:mod:`~megatron_diffckpt.keeper.replicas`); default a
     fresh one in ``/dev/shm``.
     """
+    state = KeeperState(memory)
+    # The shared-memory folder first: once the socket exists (what launchers and tests wait
+    # for), the folder is claimed and the ones dead keepers left are gone.
+    if shm is None:
+        shm = tempfile.mkdtemp(prefix=SHM_PREFIX, dir=shared_memory_root())
+    os.makedirs(shm, mode=0o700, exist_ok=True)
+    claim_shm(shm)
+    for stale in sweep_stale_shm(os.path.dirname(os.path.abspath(shm)), shm):
+        logger.info("keeper: removed %s, left by a keeper that died", stale)
+    try:
+        return _serve(path, memory, state, shm, ready, peers)
+    finally:
+        remove_shm(shm)
+
+
+def _serve(
+    path: str,
+    memory: int,
+    state: KeeperState,
+    shm: str,
+    ready: threading.Event | None,
+    peers: dict[str, Any] | None,
+) -> KeeperState:
     from megatron_diffckpt.keeper.bases import KeptBases
     from megatron_diffckpt.keeper.logs import KeeperLogs
     from megatron_diffckpt.keeper.peers import PeerLink
     from megatron_diffckpt.keeper.replicas import HostedReplicas
     from megatron_diffckpt.keeper.writes import KeeperWrites
 
-    state = KeeperState(memory)
     servers: list[Any] = []
     link = None
     if peers is not None and peers["nnodes"] > 1:
@@ -428,12 +450,6 @@ def serve(
         )
     local = _Server(path, state, link)
     os.chmod(path, 0o600)
-    if shm is None:
-        shm = tempfile.mkdtemp(prefix=SHM_PREFIX, dir=shared_memory_root())
-    os.makedirs(shm, mode=0o700, exist_ok=True)
-    claim_shm(shm)
-    for stale in sweep_stale_shm(os.path.dirname(os.path.abspath(shm)), shm):
-        logger.info("keeper: removed %s, left by a keeper that died", stale)
     local.replicas = HostedReplicas(state, os.path.abspath(shm), link)
     local.bases = KeptBases(state, os.path.abspath(shm), link)
     local.writes = KeeperWrites(os.path.abspath(shm))
@@ -468,7 +484,6 @@ def serve(
             link.close()
         if os.path.exists(path):
             os.remove(path)
-        remove_shm(shm)
     return state
 
 
