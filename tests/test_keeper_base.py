@@ -39,7 +39,7 @@ from test_keeper import (
     start_keeper,
     stopped_then_read,
 )
-from test_keeper_replica import _assert_ends_as_straight, _keeper_job
+from test_keeper_replica import MOE_EP2, _assert_ends_as_straight, _keeper_job
 
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.exchange import ErrorFeedbackResiduals
@@ -372,10 +372,12 @@ def test_the_ranks_agree_on_the_newest_base_every_keeper_holds(
     assert _TwoRanks().run(agree) == [expected, expected]
 
 
-def _lowdiff_job(tmp_path: Path, total: int, *extra: str) -> tuple[list[str], Path, list[str]]:
+def _lowdiff_job(
+    tmp_path: Path, total: int, *extra: str, model: tuple[str, ...] = ()
+) -> tuple[list[str], Path, list[str]]:
     """The uninterrupted reference of ``total`` iterations; ``(model flags, the job's folder,
     its LowDiff flags)``: bases every 5, batches of 8, its end to ``tmp_path/resumed``."""
-    common, _ = _keeper_job(tmp_path, total=total, full_interval=5)
+    common, _ = _keeper_job(tmp_path, total=total, full_interval=5, model=model)
     ckpt = tmp_path / "ckpt"
     diff = ["--diffckpt-mode", "lowdiff", "--diffckpt-batch-size", "8", "--save", str(ckpt)]
     diff += ["--load", str(ckpt), "--diffckpt-full-interval", "5", *extra]
@@ -389,19 +391,22 @@ def _covered(rank_dir: Path) -> set[int]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kept", ["base", "replica"])
+@pytest.mark.parametrize("kept", ["base", "replica", "base-moe-ep2"])
 def test_ranks_killed_recover_from_the_keepers_without_reading_storage(tmp_path, kept):
     """Bases every 5 (synchronous), batches of 8: rank 1 dies after handing iteration 12 over.
     The restarted ranks take base 10 from their keepers (storage's is not read) and replay 11-12
     from the keepers' records, or with their replicas (``--diffckpt-keeper auto``) take 12 from
     their keepers' replicas (base 10 stepped with 11 and 12) and replay nothing; either way
-    storage's log is made to reach 12, and the run ends equal to an uninterrupted one."""
+    storage's log is made to reach 12, and the run ends equal to an uninterrupted one. The kept
+    base also for a mixture of experts with two experts on each rank (``base-moe-ep2``)."""
+    model = MOE_EP2 if kept.endswith("moe-ep2") else ()
+    kept = kept.removesuffix("-moe-ep2")
     extra = (
         ["--diffckpt-option", "keeper_writes_log=false"]
         if kept == "replica"
         else list(KEPT_BASE_ONLY)
     )
-    common, ckpt, diff = _lowdiff_job(tmp_path, 16, *extra)
+    common, ckpt, diff = _lowdiff_job(tmp_path, 16, *extra, model=model)
     proc, lines = launch_node([*common, *diff], {"DIFFCKPT_FAILPOINT": "iteration-end:12@1"})
     log = finish_node(proc, lines)
     restart = log[log.index("failpoint iteration-end #12: SIGKILL of rank 1") :]

@@ -362,11 +362,13 @@ def test_a_replica_over_the_keepers_cap_is_refused_naming_the_flag(tmp_path):
     assert not os.path.exists(folder)  # the keeper removes its folder at its end
 
 
-def _keeper_job(tmp_path: Path, total: int, full_interval: int) -> tuple[list[str], list[str]]:
+def _keeper_job(
+    tmp_path: Path, total: int, full_interval: int, model: tuple[str, ...] = ()
+) -> tuple[list[str], list[str]]:
     """The uninterrupted reference (``tmp_path/straight``); ``(model flags, LowDiff+ flags)``
-    of the job under test, whose end goes to ``tmp_path/resumed``."""
+    of the job under test, whose end goes to ``tmp_path/resumed``. ``model``: more model flags."""
     ckpt = tmp_path / "ckpt"
-    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
+    common = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100", *model]
     common += ["--train-iters", str(total)]
     run_gpt(2, *common, "--dump-state", str(tmp_path / "straight"))
     plus = ["--diffckpt-mode", "lowdiff-plus"]  # --diffckpt-keeper auto: the replica in the keeper
@@ -375,11 +377,21 @@ def _keeper_job(tmp_path: Path, total: int, full_interval: int) -> tuple[list[st
     return common, [*plus, "--dump-state", str(tmp_path / "resumed")]
 
 
+MOE_EP2 = tuple(
+    "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall "
+    "--disable-bias-linear --expert-model-parallel-size 2".split()
+)
+
+
 @pytest.mark.distributed
-def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tmp_path):
+@pytest.mark.parametrize("model", ["dense", "moe-ep2"])
+def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tmp_path, model):
     """Rank 1 dies before handing iteration 11 over, rank 0 has handed it: the ranks agree on
-    10, rank 0's keeper drops what it held of 11, rank 1's merges 10, and no base is read."""
-    common, plus = _keeper_job(tmp_path, total=16, full_interval=1000)
+    10, rank 0's keeper drops what it held of 11, rank 1's merges 10, and no base is read. Also
+    for a mixture of experts with two experts on each rank (the expert shards' replica in the
+    keeper too)."""
+    more = MOE_EP2 if model == "moe-ep2" else ()
+    common, plus = _keeper_job(tmp_path, total=16, full_interval=1000, model=more)
     proc, lines = launch_node([*common, *plus], {"DIFFCKPT_FAILPOINT": "plus-hand-over:11@1"})
     log = finish_node(proc, lines)
     assert "failpoint plus-hand-over #11: SIGKILL of rank 1" in log
