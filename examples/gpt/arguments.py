@@ -221,31 +221,16 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
                 f"--expert-model-parallel-size {ep} does not divide the data-parallel size "
                 f"{args.data_parallel_size}"
             )
-        if args.num_experts % ep != 0:
-            parser.error(
-                f"--num-experts {args.num_experts} is not divisible by "
-                f"--expert-model-parallel-size {ep}"
-            )
+        _divisible(parser, "--num-experts", args.num_experts, "--expert-model-parallel-size", ep)
         if args.moe_router_topk > args.num_experts:
             parser.error(
                 f"--moe-router-topk {args.moe_router_topk} is larger than --num-experts "
                 f"{args.num_experts}"
             )
-    if args.num_layers % pp != 0:
-        parser.error(
-            f"--num-layers {args.num_layers} is not divisible by "
-            f"--pipeline-model-parallel-size {pp}"
-        )
-    if args.num_attention_heads % tp != 0:
-        parser.error(
-            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
-    if args.hidden_size % args.num_attention_heads != 0:
-        parser.error(
-            f"--hidden-size {args.hidden_size} is not divisible by "
-            f"--num-attention-heads {args.num_attention_heads}"
-        )
+    _divisible(parser, "--num-layers", args.num_layers, "--pipeline-model-parallel-size", pp)
+    heads = args.num_attention_heads
+    _divisible(parser, "--num-attention-heads", heads, "--tensor-model-parallel-size", tp)
+    _divisible(parser, "--hidden-size", args.hidden_size, "--num-attention-heads", heads)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.max_position_embeddings < args.seq_length:
@@ -283,6 +268,14 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     if args.data_path is not None and not os.path.isfile(args.data_path):
         parser.error(f"--data-path {args.data_path}: no such file")
     return args
+
+
+def _divisible(
+    parser: argparse.ArgumentParser, flag: str, value: int, by_flag: str, by: int
+) -> None:
+    """``parser.error`` unless ``by`` divides ``value`` (the flags' names say which)."""
+    if value % by != 0:
+        parser.error(f"{flag} {value} is not divisible by {by_flag} {by}")
 
 
 def _check_load_dir(

@@ -215,7 +215,7 @@ class KeptBases:
     def _adopt_own_copies(self, key: tuple) -> list[KeptBase]:
         """This keeper's copies of the rank ``key``'s bases, held as its own: the rank ran on
         the previous node (torchrun's rendezvous seated the nodes in another order)."""
-        tier = f"the node's keeper (its copy of node {(self.link.node - 1) % self.link.nnodes}'s)"
+        tier = f"the node's keeper (its copy of node {self.link.predecessor}'s)"
         with self._lock:
             copies = self._copies.pop(key, [])
             if copies:

@@ -81,6 +81,8 @@ class PeerLink:
         self.folder, self.node, self.nnodes = folder, node, nnodes
         self.token = secrets.token_hex(16)
         self.successor = (node + 1) % nnodes
+        self.predecessor = (node - 1) % nnodes
+        """The node whose ranks' copies this keeper holds."""
         self.peer_last: dict[tuple, int] = {}
         """Per rank identity: the newest iteration the successor acknowledged."""
         self.dropped = 0

@@ -436,7 +436,7 @@ class HostedReplicas:
             finally:
                 parts.release()
             self._drop(self._copies, key)  # its bytes against the cap: the replica's now
-            tier = f"the node's keeper (its copy of node {self._predecessor()}'s replica)"
+            tier = f"the node's keeper (its copy of node {self.link.predecessor}'s replica)"
         else:
             reply = self.link.ask({"op": Op.REPLICA_COPY_FETCH, "identity": identity}, self.folder)
             if reply is None:
@@ -481,9 +481,6 @@ class HostedReplicas:
         self._rolled_ranks.discard(key)
         self._drop(self._replicas, key)
         logger.info("keeper: %s runs on another node now: its replica here goes", rank_name(key))
-
-    def _predecessor(self) -> int:
-        return (self.link.node - 1) % self.link.nnodes
 
     def _adopt_from(
         self, key: tuple, header: dict | None, payload: Received, tier: str
