@@ -425,7 +425,9 @@ def _plot_sweep(rows: list[dict], path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megatron-diffckpt`` command line (its subcommands and their flags)."""
-    parser = argparse.ArgumentParser(prog="megatron-diffckpt", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="megatron-diffckpt", description=__doc__.split("\n")[0].replace("``", "")
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("inspect", "bases, diff ranges, recoverable iteration, bytes"),
