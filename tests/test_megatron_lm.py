@@ -677,6 +677,31 @@ def test_a_merged_reshardable_state_resumes_under_another_layout(tmp_path, strai
 
 
 @pytest.mark.distributed
+def test_a_mixture_of_experts_merged_at_ep2_resumes_at_ep1(tmp_path, straight_runs):
+    """SIGKILL of a MoE run at EP=2 (two optimizers per rank: dense over DP 2, experts over
+    expert-data-parallel groups of one) after iteration 8, `merge --reshardable`, and
+    Megatron-LM's own load at EP=1 (one optimizer, every expert on every rank): it loads the
+    merged state at 8 and trains on, its losses within 2% of the uninterrupted EP=2 run's."""
+    flags, rank_dirs = LAYOUTS["moe-ep2-dp2"]
+    _, expected = straight_runs("moe-ep2-dp2")
+    ckpt, merged = tmp_path / "ckpt", tmp_path / "merged"
+    args = [*GPT, *flags.split(), "--save", str(ckpt), "--save-interval", "5",
+            "--diffckpt-mode", "lowdiff"]  # fmt: skip
+    _kill_after(args, ckpt, rank_dirs, KILL_AFTER)
+    merge = run_cli("merge", str(ckpt), "--iteration", str(KILL_AFTER), "--out", str(merged),
+                    "--reshardable", "--quiet")  # fmt: skip
+    assert merge.returncode == 0, merge.stdout + merge.stderr
+    ep1 = [*GPT, *LAYOUTS["moe-ep1-dp2"][0].split(), "--save", str(merged), "--load",
+           str(merged), "--save-interval", "5", "--diffckpt-mode", "lowdiff"]  # fmt: skip
+    log = _run(*ep1, "--train-iters", str(TOTAL))
+    assert re.search(rf"loaded checkpoint from .* at iteration {KILL_AFTER}", log), log[-3000:]
+    losses = _resumed_losses(log, KILL_AFTER)
+    for it, loss in losses.items():
+        assert abs(float(loss) - float(expected[it])) <= 0.02 * float(expected[it]), (it, loss)
+    assert (merged / "latest_checkpointed_iteration.txt").read_text() == str(TOTAL)
+
+
+@pytest.mark.distributed
 def test_a_write_refused_on_one_rank_stops_megatron_lms_loop_in_one_line_per_rank(
     tmp_path, straight_runs
 ):

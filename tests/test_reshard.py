@@ -173,19 +173,41 @@ MOE = "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall"
 MOE += ["--disable-bias-linear"]
 
 
+EP2 = ["--expert-model-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def from_moe_ep2(tmp_path_factory):
+    """A mixture of experts (4 experts, top-2, alltoall, two experts on each rank): its ranks
+    step two optimizers, the dense one over DP 2 and the experts' over their expert-data-parallel
+    groups of one rank."""
+    return _source(tmp_path_factory.mktemp("from_moe_ep2"), 2, [*MOE, *EP2])
+
+
 @pytest.mark.distributed
-def test_a_mixture_of_experts_merge_reshardable_is_refused_in_one_line(tmp_path):
-    """Mixture of experts (4 experts, top-2, two on each rank): its ranks step two optimizers
-    (dense and expert parameters), which ``--reshardable`` does not write yet; the refusal is one
-    line naming what works (a merge resumed under the same layout:
-    ``tests/test_offline_merge.py``)."""
-    ckpt = tmp_path / "ckpt"
-    job = [*COMMON, *MOE, "--expert-model-parallel-size", "2", "--save", str(ckpt)]
-    job += ["--save-interval", "5", "--diffckpt-mode", "lowdiff", "--train-iters", "20"]
-    run_until_killed(job, kill_after=KILL_AFTER)
-    merge = run_cli("merge", str(ckpt), "--out", str(tmp_path / "merged"), "--reshardable")
-    assert merge.returncode == 1, merge.stdout + merge.stderr
-    errors = [x for x in merge.stderr.splitlines() if x.startswith("megatron-diffckpt merge:")]
-    assert len(errors) == 1 and "Traceback" not in merge.stderr, merge.stderr
-    assert "2 inner optimizers" in errors[0] and "merge without --reshardable" in errors[0]
-    assert not (tmp_path / "merged").exists()
+@pytest.mark.parametrize("nproc", [2, 1], ids=["ep1-dp2", "ep1-dp1"])
+def test_a_mixture_of_experts_merged_at_ep2_resumes_exactly_at_ep1(tmp_path, from_moe_ep2, nproc):
+    """The two optimizers' state in model space (unprefixed keys, one param-groups entry per
+    inner optimizer in ``common.pt``) loads into EP=1's one optimizer, every expert on every
+    rank: every model tensor, main parameter and Adam moment ``torch.equal`` to the
+    uninterrupted EP=2 run's at T; losses after it within 2%."""
+    merged, target, expected, straight_losses = from_moe_ep2
+    tensors = read_metadata(str(merged / f"iter_{target:07d}")).state_dict_metadata
+    assert not any(k.startswith("chained_") for k in tensors), sorted(tensors)  # no flat buckets
+    experts = [k for k in tensors if k.startswith("optimizer.state.param.") and ".experts." in k]
+    assert len(experts) == 2, sorted(tensors)  # fc1 and fc2 of the stacked layers' experts
+    got, proc = _resume(merged, tmp_path, target, nproc, MOE)
+    _assert_same_model_space(expected, got)
+    losses = _losses(proc)
+    assert sorted(losses) == list(range(target + 1, target + MORE + 1)), proc.stderr[-3000:]
+    for it, loss in losses.items():
+        assert abs(loss - straight_losses[it]) <= 0.02 * straight_losses[it], (it, loss)
+
+
+@pytest.mark.distributed
+def test_a_mixture_of_experts_merged_at_ep1_resumes_exactly_at_ep2(tmp_path):
+    """The other way: EP=1's one optimizer (experts among the dense parameters' groups) into
+    EP=2's two, the experts' optimizer taking its param groups from their dense twins."""
+    merged, target, expected, _ = _source(tmp_path / "src", 2, MOE)
+    got, _ = _resume(merged, tmp_path, target, 2, [*MOE, *EP2])
+    _assert_same_model_space(expected, got)

@@ -37,6 +37,8 @@ from megatron_diffckpt.patches.base_checkpoint import (
     load_residuals,
     residuals_state,
 )
+from megatron_diffckpt.patches.optimizer_step import inner_optimizers
+from megatron_diffckpt.reshardable import fit_loaded_optimizer_state
 from megatron_diffckpt.strategies.base import BaseSource, SaveBase
 
 logger = logging.getLogger("pretrain_gpt")
@@ -274,9 +276,8 @@ class Checkpointer:
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
         )
-        metadata = {"distrib_optim_sharding_type": layout.optimizer_format}
         template = _sharded_state_dict(
-            model, optimizer, scheduler, 0, 0, True, metadata=metadata,
+            model, optimizer, scheduler, 0, 0, True, metadata=layout.load_metadata,
             rng=layout.same_model_parallel,
         )  # fmt: skip
         check_base_shapes(template, ckpt)
@@ -285,7 +286,9 @@ class Checkpointer:
             load_residuals(ckpt, residuals)
         model.module.load_state_dict(state["model"])
         with torch.no_grad():  # the fp32 dp_reshardable optimizer state is copied in place
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(
+                fit_loaded_optimizer_state(state["optimizer"], len(inner_optimizers(optimizer)))
+            )
         scheduler.load_state_dict(state["opt_param_scheduler"])
         if layout.same_model_parallel:
             _set_rng_state(state["rng_state"])

@@ -78,6 +78,7 @@ from megatron_diffckpt.integrations.megatron_lm_releases import TRAINING as _T
 from megatron_diffckpt.integrations.megatron_lm_run import MegatronLMIntegrationError, MegatronLMRun
 from megatron_diffckpt.patches import base_checkpoint
 from megatron_diffckpt.patches.base import MethodPatch, PatchSet
+from megatron_diffckpt.reshardable import fit_loaded_optimizer_state
 
 logger = logging.getLogger(__name__)
 __all__ = [
@@ -260,6 +261,15 @@ def _finalize_async_save_wrapper(original: Callable) -> Callable:
     return maybe_finalize_async_save
 
 
+def _chained_load_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        fitted = fit_loaded_optimizer_state(state_dict, len(self.chained_optimizers))
+        return original(self, fitted)
+
+    return load_state_dict
+
+
 def _compile_helpers_wrapper(original: Callable) -> Callable:
     @functools.wraps(original)
     def compile_helpers():
@@ -317,6 +327,13 @@ PATCHES = PatchSet(
             expected_signature="(blocking: bool = False, terminate=False)",
             make_wrapper=_finalize_async_save_wrapper,
             purpose="publish bases in flight where Megatron-LM waits for its saves",
+        ),
+        MethodPatch(
+            target="megatron.core.optimizer.optimizer:ChainedOptimizer.load_state_dict",
+            expected_signature="(self, state_dict)",
+            make_wrapper=_chained_load_wrapper,
+            purpose="load a fully_reshardable checkpoint of another optimizer chaining (a "
+            "mixture of experts merged at EP=2 resumed at EP=1, or the other way)",
         ),
         MethodPatch(
             target="megatron.core.datasets.utils:compile_helpers",

@@ -474,6 +474,18 @@ class BaseLayout:
     same_model_parallel: bool
     """Saved under this run's TP and PP sizes (or it does not say): its RNG states are this
     layout's, so they load."""
+    chained_optim_avoid_prefix: bool = False
+    """A chained optimizer's model-space keys are unprefixed (megatron's content metadata flag,
+    as Megatron-LM and ``merge --reshardable`` save them)."""
+
+    @property
+    def load_metadata(self) -> dict:
+        """The ``metadata`` of the optimizer's ``sharded_state_dict`` that loads the base, as
+        Megatron-LM passes it (the checkpoint's content metadata)."""
+        return {
+            "distrib_optim_sharding_type": self.optimizer_format,
+            "chained_optim_avoid_prefix": self.chained_optim_avoid_prefix,
+        }
 
 
 def check_base_layout(checkpoint: str, tp_size: int, pp_size: int) -> BaseLayout:
@@ -502,4 +514,4 @@ def check_base_layout(checkpoint: str, tp_size: int, pp_size: int) -> BaseLayout
             f"merge {root} --iteration {int(name.split('_')[-1])} --reshardable --out DIR2` "
             "and --load DIR2 (it loads under any layout)"
         )
-    return BaseLayout(fmt, same)
+    return BaseLayout(fmt, same, bool(content.get("chained_optim_avoid_prefix", False)))
