@@ -384,6 +384,12 @@ class DiffCkptConfig:
             yield f"{mode} needs --diffckpt-full-interval or --save-interval"
         if flag("context_parallel_size", 1) > 1:
             yield "context parallelism is not supported yet"
+        if flag("async_save", False) and flag("async_strategy", "mcore") == "nvrx":
+            yield (
+                f"{mode} hands its bases to megatron-core's own asynchronous save; --async-save "
+                "through NVIDIA's resiliency extension (--async-strategy nvrx, Megatron-LM's "
+                "default from 0.19) is not supported yet: add --async-strategy mcore"
+            )
         if flag("iterations_to_skip", None):
             yield "--iterations-to-skip leaves gaps that no differential can fill"
 

@@ -241,3 +241,20 @@ def test_context_parallelism_is_refused_expert_parallelism_is_not(mode):
     config.check_launch(argparse.Namespace(**launch, expert_model_parallel_size=2))
     with pytest.raises(DiffCkptUsageError, match="^context parallelism is not supported yet$"):
         config.check_launch(argparse.Namespace(**launch, context_parallel_size=2))
+
+
+@pytest.mark.parametrize("mode", ["lowdiff", "lowdiff-plus"])
+def test_async_saves_through_nvrx_are_refused_naming_megatron_cores_strategy(mode):
+    """Megatron-LM 0.19's default asynchronous strategy (NVIDIA's resiliency extension) is
+    refused in one line naming ``--async-strategy mcore``; megatron-core's own strategy, a
+    synchronous save (Megatron-LM then sets ``mcore``) and a release without the flag pass."""
+    config = DiffCkptConfig(mode=mode, full_interval=5)
+    launch = dict(save="s", load="s", use_distributed_optimizer=True, async_save=True)
+    config.check_launch(argparse.Namespace(**launch, async_strategy="mcore"))
+    config.check_launch(argparse.Namespace(**launch))  # megatron-core 0.16: no such flag
+    config.check_launch(argparse.Namespace(**{**launch, "async_save": False}))
+    with pytest.raises(DiffCkptUsageError, match="add --async-strategy mcore$") as refused:
+        config.check_launch(argparse.Namespace(**launch, async_strategy="nvrx"))
+    assert "\n" not in str(refused.value)
+    assert "not supported yet" in str(refused.value)
+    DiffCkptConfig().check_launch(argparse.Namespace(**launch, async_strategy="nvrx"))  # off
