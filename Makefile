@@ -17,7 +17,7 @@ SHARED_CANDIDATES := $(abspath ../shared/megatron-lm/core_v0.16.1) \
 SHARED_MEGATRON_LM := $(firstword $(foreach d,$(SHARED_CANDIDATES),$(if $(wildcard $(d)/megatron/training),$(d))))
 MEGATRON_LM ?= $(SHARED_MEGATRON_LM)
 
-# The newest lane: Python 3.12 (python3.12 on PATH, or pyenv's), megatron-core 0.19.0 and the
+# The newest lane: Python 3.12 (python3.12 on PATH, or pyenv's), megatron-core 0.19.2 and the
 # Megatron-LM checkout of its release, in .venv-newest/ (requirements/newest.txt).
 PYTHON_NEWEST ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(if $(shell $(p) -c 'import sys; print(sys.version_info[:2] == (3, 12))' 2>/dev/null | grep True),$(p))))
 VENV_NEWEST := .venv-newest
@@ -58,7 +58,7 @@ test: $(STAMP) $(if $(MEGATRON_LM),$(MLM_STAMP))
 	$(MAKE) --no-print-directory docs
 	MEGATRON_LM="$(MEGATRON_LM)" $(VENV)/bin/python -m pytest --durations=20 tests
 
-# The whole suite against megatron-core 0.19.0 on Python 3.12 (its own venv and pins).
+# The whole suite against megatron-core 0.19.2 on Python 3.12 (its own venv and pins).
 $(STAMP_NEWEST): requirements/newest.txt pyproject.toml
 	@test -n "$(PYTHON_NEWEST)" || { echo "the newest lane needs Python 3.12: set PYTHON_NEWEST" >&2; exit 2; }
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)

@@ -258,3 +258,20 @@ def test_async_saves_through_nvrx_are_refused_naming_megatron_cores_strategy(mod
     assert "\n" not in str(refused.value)
     assert "not supported yet" in str(refused.value)
     DiffCkptConfig().check_launch(argparse.Namespace(**launch, async_strategy="nvrx"))  # off
+
+
+def test_megatron_lms_help_prints_where_a_help_text_has_a_bare_percent():
+    """megatron-core 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` help ends in
+    "10%).", which makes argparse's ``--help`` raise; the ``--diffckpt-*`` provider escapes it
+    (and leaves ``%(default)s`` working)."""
+    from megatron_diffckpt.integrations import megatron_lm
+
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py")
+    parser.add_argument("--factor", default=1.1, help="headroom (e.g. 1.10 = 10%).")
+    parser.add_argument("--size", default=7, help="size, default %(default)s")
+    with pytest.raises(ValueError):
+        parser.format_help()
+    megatron_lm.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "(e.g. 1.10 = 10%)." in text and "size, default 7" in text
+    assert "--diffckpt-mode" in text

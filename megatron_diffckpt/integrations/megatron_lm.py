@@ -54,6 +54,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -359,4 +360,18 @@ def revert() -> None:
 def add_arguments(parser: Any) -> Any:
     """Megatron-LM's ``extra_args_provider``: the ``--diffckpt-*`` flags."""
     DiffCkptConfig.add_arguments(parser)
+    _escape_stray_percents(parser)
     return parser
+
+
+def _escape_stray_percents(parser: Any) -> None:
+    """argparse expands each help text with ``%``: a help with a bare ``%`` makes ``--help``
+    raise (megatron-core 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` ends in "10%)."),
+    so such a help gets its bare ``%`` escaped and ``--help`` prints."""
+    for action in parser._actions:
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            action.help % {**vars(action), "prog": parser.prog}
+        except (ValueError, TypeError, KeyError):
+            action.help = re.sub(r"%(?![(%])", "%%", action.help)

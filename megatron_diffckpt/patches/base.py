@@ -18,7 +18,7 @@ from megatron_diffckpt.errors import DiffCkptUsageError
 
 # The megatron-core releases the patches were written and tested against. Keep in step with the
 # pin in requirements/cpu.txt (tests/test_drift.py checks both).
-TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.0")
+TESTED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 
 
 class MegatronDriftError(DiffCkptUsageError, RuntimeError):

@@ -78,7 +78,7 @@ PATCHES = PatchSet(
                 release: "(async_fn: Optional[Callable], async_fn_args: Tuple, finalize_fns: "
                 f"List[Callable], async_fn_kwargs: Dict = {{}}, preload_fn: {preload} = None, "
                 "is_frozen: bool = False, call_idx: int = 0)"
-                for release, preload in (("0.16.1", "Callable"), ("0.19.0", "Optional[Callable]"))
+                for release, preload in (("0.16.1", "Callable"), ("0.19.2", "Optional[Callable]"))
             },
             make_wrapper=lambda original: original,
             purpose="write a LowDiff+ base from the replica on the persister thread",
@@ -97,7 +97,7 @@ PATCHES = PatchSet(
 
 # The file writer's results queue: a module global that megatron creates on first use through
 # its accessor (renamed, and given a start-method argument, in 0.19).
-_QUEUE_ACCESSORS = {"0.16.1": "_get_write_results_queue", "0.19.0": "get_write_results_queue"}
+_QUEUE_ACCESSORS = {"0.16.1": "_get_write_results_queue", "0.19.2": "get_write_results_queue"}
 
 
 def _writer_module() -> Any:
