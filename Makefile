@@ -24,7 +24,7 @@ VENV_NEWEST := .venv-newest
 STAMP_NEWEST := $(VENV_NEWEST)/.installed
 MEGATRON_LM_NEWEST ?= $(patsubst %/core_v0.16.1,%/core_v0.19.0,$(SHARED_MEGATRON_LM))
 
-.PHONY: venv demo docs test test-quick test-newest lint bench clean slurm-deps slurm-test megatron-lm-test
+.PHONY: venv demo docs test test-quick test-newest test-newest-ci lint bench clean slurm-deps slurm-test megatron-lm-test
 
 venv: $(STAMP)
 
@@ -70,6 +70,17 @@ $(STAMP_NEWEST): requirements/newest.txt pyproject.toml
 test-newest: $(STAMP_NEWEST)
 	DIFFCKPT_PINS=requirements/newest.txt MEGATRON_LM="$(MEGATRON_LM_NEWEST)" \
 		$(VENV_NEWEST)/bin/python -m pytest --durations=20 tests
+
+# CI's second lane (.ci/run, after `make test`): of the newest lane, the drift checks, Megatron-LM's
+# training loop and the keeper tests that depend on the release or on torch's CUDA build (the
+# memory bound of a keeper, the shared-memory sweep): about 8 minutes, plus the venv.
+NEWEST_CI_TESTS := tests/test_drift.py tests/test_patches.py tests/test_megatron_lm.py \
+	tests/test_keeper_base.py::test_a_base_past_a_gib_goes_around_the_ring_without_entering_a_keepers_heap \
+	tests/test_keeper.py::test_a_keeper_removes_the_shared_memory_folders_of_keepers_that_died
+test-newest-ci: $(STAMP_NEWEST)
+	@test -d "$(MEGATRON_LM_NEWEST)/megatron/training" || { echo "the newest lane needs the Megatron-LM checkout core_v0.19.0 (MEGATRON_LM_NEWEST)" >&2; exit 2; }
+	DIFFCKPT_PINS=requirements/newest.txt MEGATRON_LM="$(MEGATRON_LM_NEWEST)" \
+		$(VENV_NEWEST)/bin/python -m pytest --durations=10 $(NEWEST_CI_TESTS)
 
 # The inner loop: the tests that start no training processes (about a minute).
 test-quick: $(STAMP)
