@@ -383,7 +383,11 @@ class DiffCkptConfig:
         if self.full_interval == 0 and not flag("save_interval", 0):
             yield f"{mode} needs --diffckpt-full-interval or --save-interval"
         if flag("context_parallel_size", 1) > 1:
-            yield "context parallelism is not supported yet"
+            yield (
+                "context parallelism is not supported yet (megatron runs it only with "
+                "transformer-engine's attention, where no test covers it yet): run without "
+                "--context-parallel-size"
+            )
         if flag("async_save", False) and flag("async_strategy", "mcore") == "nvrx":
             yield (
                 f"{mode} hands its bases to megatron-core's own asynchronous save; --async-save "

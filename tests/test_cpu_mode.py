@@ -254,3 +254,26 @@ def test_the_moe_pieces_megatron_takes_from_transformer_engine_have_their_torch_
         """
     )
     assert out.strip() == "ok"
+
+
+def test_megatrons_own_attention_refuses_context_parallelism():
+    """Why context parallelism stays refused on CPU: megatron's attention without
+    transformer-engine refuses it itself. When a release lifts that, this fails, and the
+    refusal in ``config.check_launch`` is to be revisited."""
+    out = _ok(
+        """
+        from megatron_diffckpt import cpu_mode
+        cpu_mode.enable()
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, context_parallel_size=2
+        )
+        try:
+            DotProductAttention(config, 1, AttnMaskType.causal, "self")
+        except AssertionError as e:
+            print(e)
+        """
+    )
+    assert "Context parallelism is only supported by TEDotProductAttention" in out
