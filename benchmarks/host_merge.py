@@ -17,7 +17,9 @@ What it measures, each the best of ``--repeats`` timed runs after a warm-up:
 - **kernels**: one shard of ``--shard-mparams`` million fp32 parameters (in 48 tensors of
   decreasing size, as a model's), stepped by the host replica of a torch ``AdamW`` with each
   kernel: ``exact`` with training's default CPU kernel (``for-loop``), ``exact`` with
-  ``foreach=True``, and ``fused`` (:func:`~megatron_diffckpt.replica_merger.replica_kernel`).
+  ``foreach=True``, ``exact`` stepped a cache-sized block at a time (``blocked``: the same
+  kernel and bits, :mod:`~megatron_diffckpt.blocked_adam`, what a replica runs), and ``fused``
+  (:func:`~megatron_diffckpt.replica_merger.replica_kernel`).
   Parameters per second, and Adam's memory traffic (28 bytes per parameter: parameter, gradient
   and both moments read, three written) against both bounds at the same thread count.
 - **a node's shards**: ``--shards`` shards of ``--shard-mparams`` each, stepped with the fused
@@ -31,6 +33,7 @@ Results go to ``benchmarks/results/host_merge.json`` (with the machine's CPU and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -45,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
+from megatron_diffckpt import blocked_adam  # noqa: E402
 from megatron_diffckpt.merge_threads import MergeThreads, available_cpus  # noqa: E402
 from megatron_diffckpt.replica_merger import replica_of  # noqa: E402
 
@@ -95,19 +99,21 @@ def _replica(params: int, seed: int, kernel: str, foreach: bool | None):
     return replica, sum(p.numel() for p in shard)
 
 
-KERNELS = {  # name -> (replica kernel, training's foreach)
-    "exact (for-loop)": ("exact", False),
-    "exact (foreach)": ("exact", True),
-    "fused": ("fused", None),
+KERNELS = {  # name -> (replica kernel, training's foreach, stepped a block at a time)
+    "exact (for-loop)": ("exact", False, False),
+    "exact (foreach)": ("exact", True, False),
+    "exact (blocked)": ("exact", False, True),
+    "fused": ("fused", None, False),
 }
 
 
 def kernels(params: int, threads: int, repeats: int, bound: tuple[float, float]) -> list[dict]:
     torch.set_num_threads(threads)
     rows = []
-    for name, (kernel, foreach) in KERNELS.items():
+    for name, (kernel, foreach, blocked) in KERNELS.items():
         replica, n = _replica(params, 0, kernel, foreach)
-        seconds = _best(replica.step, repeats)
+        seconds = _best(functools.partial(blocked_adam.step, replica) if blocked else replica.step,
+                        repeats)  # fmt: skip
         rate = n / seconds
         rows.append({"kernel": name, "threads": threads, "params": n, "step_s": seconds,
                      "gparams_per_s": rate / 1e9, "gparams_per_s_per_thread": rate / threads / 1e9,

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from megatron_diffckpt import blocked_adam
 from megatron_diffckpt.capture import record_grads, rng_states_at, set_step_inputs
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
@@ -212,7 +213,7 @@ def _replay_rank(
         for record in chain.records:
             if not record.scalars["skipped"]:
                 set_step_inputs(i, optimizer, record, record_grads(record))
-                optimizer.step()
+                blocked_adam.step(optimizer)
             bar.update(1)
         for g, group_entries in enumerate(entry.groups):
             for p, e in zip(params[g], group_entries, strict=True):

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import failpoints
+from megatron_diffckpt import blocked_adam, failpoints
 from megatron_diffckpt.background import BackgroundWorker, CpuMeter
 from megatron_diffckpt.capture import GradShardCapture
 from megatron_diffckpt.out_of_space import StorageFullError
@@ -413,7 +413,7 @@ def step_replica(
             with cpu.measure("diff log record"):
                 on_input(i, opt)
         with cpu.measure("merge step"):
-            opt.step()
+            blocked_adam.step(opt)
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import merge_threads
+from megatron_diffckpt import blocked_adam, merge_threads
 from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.keeper.logs import open_log
@@ -268,7 +268,7 @@ class HostedReplica:
                     if opt is None:
                         continue
                     set_step_inputs(i, opt, differential, grads)
-                    opt.step()
+                    blocked_adam.step(opt)
                     for group in opt.param_groups:
                         for p in group["params"]:
                             p.grad = None
