@@ -14,12 +14,12 @@ What it measures, each the best of ``--repeats`` timed runs after a warm-up:
 - **update bound**: ``x.mul_(c)`` of the same tensor, in place (read plus write of the same
   lines): the pattern of Adam's step, which updates parameter and moments in place; a write
   to a line just read costs no extra read, so this bound is the higher one on most hosts.
-- **kernels**: one shard of ``--shard-mparams`` million fp32 parameters (in 48 tensors of
-  decreasing size, as a model's), stepped by the host replica of a torch ``AdamW`` with each
-  kernel: ``exact`` with training's default CPU kernel (``for-loop``), ``exact`` with
-  ``foreach=True``, ``exact`` stepped a cache-sized block at a time (``blocked``: the same
-  kernel and bits, :mod:`~megatron_diffckpt.blocked_adam`, what a replica runs), and ``fused``
-  (:func:`~megatron_diffckpt.replica_merger.replica_kernel`).
+- **kernels**: one shard of ``--shard-mparams`` million fp32 parameters (in ``--tensors``
+  tensors of decreasing size, as a model's; default 48), stepped by the host replica of a
+  torch ``AdamW`` with each kernel: ``exact`` with training's default CPU kernel
+  (``for-loop``), ``exact`` with ``foreach=True``, ``exact`` stepped a cache-sized block at a
+  time (``blocked``: the same kernel and bits, :mod:`~megatron_diffckpt.blocked_adam`, what a
+  replica runs), and ``fused`` (:func:`~megatron_diffckpt.replica_merger.replica_kernel`).
   Parameters per second, and Adam's memory traffic (28 bytes per parameter: parameter, gradient
   and both moments read, three written) against both bounds at the same thread count.
 - **a node's shards**: ``--shards`` shards of ``--shard-mparams`` each, stepped with the fused
@@ -78,17 +78,17 @@ def bounds(threads: int, repeats: int) -> tuple[float, float]:
     return nbytes / copy, nbytes / update
 
 
-def _shard(params: int, seed: int) -> list[torch.Tensor]:
-    """``params`` parameters in TENSORS tensors of decreasing size (embedding-like first)."""
-    weights = [1.0 / (k + 1) ** 0.5 for k in range(TENSORS)]
+def _shard(params: int, seed: int, tensors: int = TENSORS) -> list[torch.Tensor]:
+    """``params`` parameters in ``tensors`` tensors of decreasing size (embedding-like first)."""
+    weights = [1.0 / (k + 1) ** 0.5 for k in range(tensors)]
     sizes = [max(1, int(params * w / sum(weights))) for w in weights]
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(n, generator=gen) * 0.02 for n in sizes]
 
 
-def _replica(params: int, seed: int, kernel: str, foreach: bool | None):
+def _replica(params: int, seed: int, kernel: str, foreach: bool | None, tensors: int = TENSORS):
     """The host replica of a training ``AdamW`` over a shard, its state made, gradients set."""
-    shard = [torch.nn.Parameter(t) for t in _shard(params, seed)]
+    shard = [torch.nn.Parameter(t) for t in _shard(params, seed, tensors)]
     training = torch.optim.AdamW(shard, lr=1e-4, weight_decay=0.1, foreach=foreach)
     for p in shard:
         p.grad = torch.randn_like(p) * 1e-3
@@ -107,11 +107,13 @@ KERNELS = {  # name -> (replica kernel, training's foreach, stepped a block at a
 }
 
 
-def kernels(params: int, threads: int, repeats: int, bound: tuple[float, float]) -> list[dict]:
+def kernels(
+    params: int, threads: int, repeats: int, bound: tuple[float, float], tensors: int = TENSORS
+) -> list[dict]:
     torch.set_num_threads(threads)
     rows = []
     for name, (kernel, foreach, blocked) in KERNELS.items():
-        replica, n = _replica(params, 0, kernel, foreach)
+        replica, n = _replica(params, 0, kernel, foreach, tensors)
         seconds = _best(functools.partial(blocked_adam.step, replica) if blocked else replica.step,
                         repeats)  # fmt: skip
         rate = n / seconds
@@ -153,6 +155,8 @@ def node(params: int, shards: int, threads: int, repeats: int, bound: tuple[floa
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shard-mparams", type=float, default=25.0)
+    parser.add_argument("--tensors", type=int, default=TENSORS,
+                        help="how many tensors the kernels' shard is in")  # fmt: skip
     parser.add_argument("--shards", type=int, default=8, help="a node's ranks")
     parser.add_argument("--node-shard-mparams", type=float, default=6.25,
                         help="parameters of each of the node's shards (millions)")  # fmt: skip
@@ -169,7 +173,9 @@ def main() -> int:
                     "torch": torch.__version__, "omp": os.environ.get("OMP_NUM_THREADS")},
         "copy_bound_gb_per_s": {str(t): b[0] / 1e9 for t, b in measured.items()},
         "update_bound_gb_per_s": {str(t): b[1] / 1e9 for t, b in measured.items()},
-        "kernels": [row for t in counts for row in kernels(params, t, args.repeats, measured[t])],
+        "tensors": args.tensors,
+        "kernels": [row for t in counts
+                    for row in kernels(params, t, args.repeats, measured[t], args.tensors)],
         "node": [node(int(args.node_shard_mparams * 1e6), args.shards, t, args.repeats,
                       measured[t]) for t in counts],
     }  # fmt: skip

@@ -10,12 +10,13 @@ Exactness: the input is the reduced gradient shard, cast to fp32 as megatron cas
 (``.float()``), multiplied by the clipping coefficient when megatron clipped (the same
 ``grad * coeff`` product), with the learning rate and weight decay of every param group.
 Where training runs on the CPU, the replica's optimizer is the training optimizer's class with
-the same options (torch ``AdamW`` without transformer-engine or apex), so the replica is
-bit-identical to the training state. Where training runs on GPUs no host kernel matches the
-device's bit for bit, so the replica steps with the fastest one, torch's fused CPU Adam
-(:func:`replica_kernel`), and is re-anchored from the device state
-(:meth:`ReplicaMerger.anchor`) at every persisted base; the drift between anchors is bounded
-in the tests.
+the same options (torch ``AdamW`` without transformer-engine or apex), stepped a cache-sized
+block at a time (:mod:`~megatron_diffckpt.blocked_adam`: the same kernel and bits with less
+memory traffic), so the replica is bit-identical to the training state. Where training runs
+on GPUs no host kernel matches the device's bit for bit, so the replica steps with the
+fastest one, torch's fused CPU Adam (:func:`replica_kernel`), and is re-anchored from the
+device state (:meth:`ReplicaMerger.anchor`) at every persisted base; the drift between
+anchors is bounded in the tests.
 
 Optionally each merged step's optimizer input also goes to the diff log (a dense, exact
 differential), so that recovery can replay past the newest persisted base.

@@ -62,11 +62,12 @@ def test_the_host_merge_benchmark_runs_and_writes_its_figures(tmp_path):
     out = tmp_path / "host_merge.json"
     cmd = [sys.executable, str(root / "benchmarks" / "host_merge.py"), "--shard-mparams", "0.2",
            "--node-shard-mparams", "0.05", "--shards", "2", "--threads", "1", "--repeats", "1",
-           "--out", str(out)]  # fmt: skip
+           "--tensors", "3", "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     result = json.loads(out.read_text())
     assert [r["kernel"] for r in result["kernels"]] == ["exact (for-loop)", "exact (foreach)",
-                                                        "fused"]  # fmt: skip
+                                                        "exact (blocked)", "fused"]  # fmt: skip
+    assert result["tensors"] == 3 and abs(result["kernels"][0]["params"] - 200_000) < 3
     assert all(r["gparams_per_s"] > 0 and r["share_of_update_bound"] > 0 for r in result["kernels"])
     assert result["node"][0]["budget"].startswith("1 thread(s) for 2 replica(s)")
     assert set(result["copy_bound_gb_per_s"]) == set(result["update_bound_gb_per_s"]) == {"1"}
