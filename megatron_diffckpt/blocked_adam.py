@@ -27,6 +27,7 @@ without state yet (torch creates it in its first step).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -159,6 +160,7 @@ def _supported(opt: torch.optim.Optimizer) -> bool:
 
 
 _SHADOWS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Shadow] = weakref.WeakKeyDictionary()
+_SHADOWS_LOCK = threading.Lock()  # a keeper steps its ranks' replicas on several threads
 
 
 @torch.no_grad()
@@ -169,7 +171,10 @@ def step(opt: torch.optim.Optimizer, block: int = BLOCK) -> None:
     if not _supported(opt):
         opt.step()
         return
-    shadow = _SHADOWS.get(opt)
+    with _SHADOWS_LOCK:
+        shadow = _SHADOWS.get(opt)
     if shadow is None or shadow.block != block or not shadow.mirrors(opt):
-        shadow = _SHADOWS[opt] = _Shadow(opt, block)
+        shadow = _Shadow(opt, block)
+        with _SHADOWS_LOCK:
+            _SHADOWS[opt] = shadow
     shadow.step(opt)
