@@ -1,6 +1,6 @@
 """megatron-diffckpt's background threads (diff writer, replica merger, base persister): their
 CPU priority, the worker thread the writer and the merger share, what they cost the cores
-(:class:`CpuMeter`), and the rule that processes a rank starts die with it.
+(:class:`CpuMeter`), the rule that processes a rank starts die with it, and a quiet exit.
 
 They run beside the training thread in the same process. On a GPU node the host cores are mostly
 idle and priority does not matter; on a busy host (CPU training, data loading on every core) the
@@ -12,6 +12,7 @@ keeps its priority.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import queue
@@ -193,3 +194,30 @@ def die_with_parent_if_spawned() -> None:
     script; its own command line is ``sys.orig_argv``.)"""
     if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):
         die_with_parent()
+
+
+_EXIT_HOOK = False
+_DATALOADER_HANDLER = "torch.utils.data._utils.signal_handling"
+
+
+def quiet_child_exits_at_exit() -> None:
+    """At interpreter exit, before ``multiprocessing`` stops the daemonic children (torch's
+    DataLoader workers), give SIGCHLD back its default action if torch's DataLoader handler
+    holds it. Otherwise those children's exits arrive while the interpreter disables its
+    signal handling, and one caught by another thread at that moment is reported after the
+    handler is gone, on stderr as ``OSError: Signal 17 ignored due to race condition`` (seen
+    with Python 3.12 at the end of a successful run). At exit nothing needs the handler (it
+    turns a worker's crash into an error of the training loop, which has ended); waiting for
+    children works the same with the default action. The rank's main thread; idempotent."""
+    global _EXIT_HOOK
+    if not _EXIT_HOOK:
+        # atexit runs its functions last-registered first: this one before multiprocessing's,
+        # which was registered when torch imported it
+        atexit.register(_restore_sigchld)
+        _EXIT_HOOK = True
+
+
+def _restore_sigchld() -> None:
+    handler = signal.getsignal(signal.SIGCHLD)
+    if getattr(handler, "__module__", None) == _DATALOADER_HANDLER:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -39,7 +39,10 @@ from megatron_diffckpt import failpoints, out_of_space, recovery, retention
 from megatron_diffckpt.autotune import (
     OnlineTuner,
 )
-from megatron_diffckpt.background import children_die_with_this_process
+from megatron_diffckpt.background import (
+    children_die_with_this_process,
+    quiet_child_exits_at_exit,
+)
 from megatron_diffckpt.base_space import BaseSpace
 from megatron_diffckpt.compression import make_compressor
 from megatron_diffckpt.config import DiffCkptConfig, KeeperPlan
@@ -252,6 +255,7 @@ class DiffCheckpointManager:
         # with asynchronous saves finalizes it), so every iteration is recoverable.
         self._start_base = iteration if self.recovered is None else None
         children_die_with_this_process()  # megatron's writers never outlive a killed rank
+        quiet_child_exits_at_exit()  # the DataLoader workers' exits: no stray line at the end
         base_checkpoint.warm_up_writer()  # the first base then costs what later ones cost
         if self.recovered is None and os.path.isdir(self.rank_dir):
             # A start without recovery (training from scratch into a folder that holds a log):
