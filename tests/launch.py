@@ -224,9 +224,22 @@ def tracker_at(ckpt: Path, iteration: int):
     return published
 
 
+def _is_resource_tracker(p: psutil.Process) -> bool:
+    try:
+        return any("multiprocessing.resource_tracker" in arg for arg in p.cmdline())
+    except psutil.Error:
+        return False
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every process of its job (:func:`job_processes`)."""
+    """SIGKILL the launcher and every process of its job (:func:`job_processes`), as a lost
+    node loses them, but the ``multiprocessing`` resource trackers: they remove the named
+    semaphores that the killed processes' queues (megatron's persistent checkpoint worker) left
+    in /dev/shm, which a lost node loses with its memory, and end once those processes are
+    gone."""
     victims = job_processes(proc.pid)  # empty when it ended by itself: the caller says why
+    trackers = [p for p in victims if _is_resource_tracker(p)]
+    victims = [p for p in victims if p not in trackers]
     for p in victims:
         try:
             p.send_signal(signal.SIGKILL)
@@ -235,6 +248,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     psutil.wait_procs(victims, timeout=30)
+    _, alive = psutil.wait_procs(trackers, timeout=30)
+    for p in alive:  # one still held open by a process outside the job
+        p.kill()
     proc.stdout.close()
 
 
