@@ -590,6 +590,29 @@ def test_a_base_of_another_model_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("checkout", [None, "not-a-checkout"])
+def test_without_a_megatron_lm_checkout_every_rank_says_so_in_one_line(tmp_path, checkout):
+    """Under torchrun, which runs the ranks unbuffered: each rank's line whole, exit code 2."""
+    env = {k: v for k, v in _env().items() if k != "MEGATRON_LM"}
+    if checkout is not None:
+        env["MEGATRON_LM"] = str(tmp_path / checkout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(SCRIPT), *GPT]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    said = (
+        "set MEGATRON_LM to a Megatron-LM checkout (the folder holding pretrain_gpt.py and "
+        "megatron/training)"
+        if checkout is None
+        else f"MEGATRON_LM={tmp_path / checkout} is not a Megatron-LM checkout"
+    )
+    lines = [line for line in proc.stderr.splitlines() if "pretrain_gpt_diffckpt.py: " in line]
+    assert lines == [f"pretrain_gpt_diffckpt.py: {said}"] * 2, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
 def test_unsupported_settings_are_refused_with_the_flag_to_change(tmp_path):
     gpt = list(GPT)
     gpt.remove("--use-distributed-optimizer")

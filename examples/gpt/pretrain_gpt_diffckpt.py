@@ -51,17 +51,25 @@ CPU_FLAGS = {
 }
 
 
+def _say(message: str) -> None:
+    """``message`` on stderr, as one line in one write: torchrun runs the ranks unbuffered
+    (``python -u``), where ``print`` writes the line and its end apart, and the ranks' lines,
+    said at the same moment, would run into each other."""
+    sys.stderr.write(f"pretrain_gpt_diffckpt.py: {message}\n")
+    sys.stderr.flush()
+
+
 def _checkout() -> str:
     path = os.environ.get("MEGATRON_LM")
     if not path:
-        sys.exit(
-            "pretrain_gpt_diffckpt.py: set MEGATRON_LM to a Megatron-LM checkout (the folder "
-            "holding pretrain_gpt.py and megatron/training)"
-        )
+        _say("set MEGATRON_LM to a Megatron-LM checkout (the folder holding pretrain_gpt.py and "
+             "megatron/training)")  # fmt: skip
+        sys.exit(2)
     if not os.path.isfile(os.path.join(path, "pretrain_gpt.py")) or not os.path.isdir(
         os.path.join(path, "megatron", "training")
     ):
-        sys.exit(f"pretrain_gpt_diffckpt.py: MEGATRON_LM={path} is not a Megatron-LM checkout")
+        _say(f"MEGATRON_LM={path} is not a Megatron-LM checkout")
+        sys.exit(2)
     return os.path.abspath(path)
 
 
@@ -170,7 +178,7 @@ def main() -> None:
         raise
     except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
         ending()  # unless the fault board stops this rank already
-        print(f"pretrain_gpt_diffckpt.py: error: {exc}", file=sys.stderr, flush=True)
+        _say(f"error: {exc}")
         stop_others(exc)  # said first: once this rank ends, torchrun stops the others
         sys.exit(2)
     except Exception as exc:  # not this library's: its traceback, and the others stop too
