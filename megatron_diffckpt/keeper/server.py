@@ -232,6 +232,8 @@ class _Handler(socketserver.BaseRequestHandler):
             try:
                 if not self._serve(req, op, payload):
                     return
+            except ConnectionError:  # the rank died while its request was served (a merge)
+                return
             finally:
                 if isinstance(payload, Received):
                     payload.release()  # its files, unless a copy took them

@@ -125,7 +125,7 @@ class TieredRecovery:
         loaded it already (Megatron-LM's), so a kept base must be newer to replace it.
         ``None``: load storage's newest base and :meth:`from_storage`."""
         if self.mode == "lowdiff-plus" and self.plan.replica:
-            return self._plus_replica()
+            return self._plus_replica(storage_base)
         if self.plan.kept_bases and self.keeper is not None and storage_base is not None:
             if self.plan.replica:
                 got = self._rolled(storage_base)
@@ -152,9 +152,12 @@ class TieredRecovery:
             **lowdiff,
         )
 
-    def _plus_replica(self) -> Recovered | None:
+    def _plus_replica(self, storage_base: int | None) -> Recovered | None:
         since_process_start = seconds_since_process_start()
-        got = self._keepers_replicas()
+        # never older than storage's newest base: after a pause (max_merge_wait_ms) a base is
+        # staged from the training state and may be published before the keepers' replicas
+        # are anchored to it
+        got = self._keepers_replicas(floor=storage_base or 0)
         if got is None:
             return None
         target, record, seconds, description, tier = got
