@@ -114,9 +114,20 @@ class BackgroundWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def join(self) -> None:
-        """Wait until every queued item was handled (or dropped)."""
-        self._queue.join()
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until every queued item was handled (or dropped), at most ``timeout`` seconds
+        (``None``: as long as it takes); whether they were."""
+        if timeout is None:
+            self._queue.join()
+            return True
+        deadline = time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True
 
     def stop(self) -> None:
         """Handle what is queued, then end the thread."""

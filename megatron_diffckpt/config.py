@@ -91,7 +91,8 @@ class DiffCkptOptions:
     training to the merger's pace: the iterations in between are neither merged nor logged
     (durability waits for that base, as under --diffckpt-when-full skip), and the base is
     staged from the training state. 0: wait as long as it takes (every iteration merged and
-    logged). The replica then lives in the rank (keeper_replica auto: off)."""
+    logged). With the replica in the node's keeper, the wait bounded is the hand-over of the
+    previous iteration (which waits for the keeper's merge)."""
 
     def __post_init__(self) -> None:
         for name in ("max_pending", "host_memory_budget", "retune_interval", "collective_timeout"):
@@ -288,11 +289,8 @@ class DiffCkptConfig:
                 "until the next base; --diffckpt-when-full strict keeps every one within B of "
                 "storage: choose one"
             )
-        if o.max_merge_wait_ms and (not plus or o.keeper_replica):
-            return (
-                "--diffckpt-option max_merge_wait_ms is for lowdiff-plus with its replica in the "
-                "rank (drop keeper_replica=true)"
-            )
+        if o.max_merge_wait_ms and not plus:
+            return "--diffckpt-option max_merge_wait_ms is for --diffckpt-mode lowdiff-plus"
         if o.keeper_writes_bases and not (plus and self.keeper_plan().replica):
             return (
                 "--diffckpt-option keeper_writes_bases=true is for lowdiff-plus with its replica "
@@ -331,7 +329,7 @@ class DiffCkptConfig:
                 writes_log=o.keeper_writes_log is not False and not strict,
                 replica=kept and o.keeper_replica is not False,
             )
-        in_rank = self.auto_tune or strict or o.max_merge_wait_ms > 0  # measured or bounded there
+        in_rank = self.auto_tune or strict  # the tuner measures, strict waits on, the rank's log
         replica = o.keeper_replica if o.keeper_replica is not None else not in_rank
         return KeeperPlan(replica=replica, writes_bases=replica and o.keeper_writes_bases)
 

@@ -26,7 +26,10 @@ The points:
 (``DIFFCKPT_DELAY="merge:0.5@0"``: rank 0 sleeps half a second there each time):
 
 - ``merge``: LowDiff+'s merger is about to step the replica with an iteration
-  (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger`, its thread).
+  (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger`, its thread);
+- ``keeper-merge``: the node's keeper is about to step a rank's LowDiff+ replica with an
+  iteration (:class:`~megatron_diffckpt.keeper.hosted_replica.HostedReplica`); the keeper has
+  no rank: give no ``@RANK``, every replica it holds is slowed.
 
 The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
 hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one
@@ -64,7 +67,7 @@ _lock = threading.Lock()
 
 
 DELAY_ENV = "DIFFCKPT_DELAY"
-DELAYS = ("merge",)
+DELAYS = ("merge", "keeper-merge")
 _DELAY_SPEC = re.compile(r"(?P<name>[a-z-]+):(?P<s>\d+(?:\.\d+)?)(?:@(?P<rank>\d+))?")
 
 

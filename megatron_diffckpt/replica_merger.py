@@ -207,7 +207,7 @@ def _copy_state(
 
 
 @dataclass
-class _Anchor:
+class AnchorJob:
     """A job for the merger: the replica becomes ``sources`` (the training state after
     ``iteration``)."""
 
@@ -239,14 +239,24 @@ class QueuedMerges:
         self._raise_background_error()
         self._worker.put(job)
 
+    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        """Make the replica equal to ``sources`` (a copy of the training state after
+        ``iteration``, left unchanged until this is merged) once the jobs queued before are
+        handled, on the merger's thread: the training thread does not wait for them. The
+        training thread."""
+        self._raise_background_error()
+        self._worker.put(AnchorJob(sources, iteration))
+
     @property
     def merged_iteration(self) -> int:
         return self._merged
 
-    def wait_idle(self) -> None:
-        """Block until every queued job has been handled."""
-        self._worker.join()
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued job has been handled, at most ``timeout`` seconds
+        (``None``: as long as it takes); whether they were."""
+        idle = self._worker.join(timeout)
         self._raise_background_error()
+        return idle
 
     def close(self) -> None:
         """Handle what is queued, then stop the thread."""
@@ -307,14 +317,6 @@ class ReplicaMerger(QueuedMerges):
         self.optimizers = refresh_replicas(torch_optimizers, self.optimizers)
         self._set_merged(iteration)
 
-    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
-        """Make the replica equal to ``sources`` (a copy of the training state after
-        ``iteration``, left unchanged until this is merged) once the jobs queued before are
-        handled, on the merger's thread: the training thread does not wait for them. The
-        training thread."""
-        self._raise_background_error()
-        self._worker.put(_Anchor(sources, iteration))
-
     def wait_merged(self, iteration: int) -> float:
         """Block until ``iteration`` is merged; returns the seconds waited."""
         start = time.perf_counter()
@@ -325,16 +327,16 @@ class ReplicaMerger(QueuedMerges):
         return time.perf_counter() - start
 
     # ----------------------------------------------------------------- merger thread
-    def _merge_job(self, job: MergeJob | _Anchor) -> None:
+    def _merge_job(self, job: MergeJob | AnchorJob) -> None:
         start = time.perf_counter()
-        if isinstance(job, _Anchor):
+        if isinstance(job, AnchorJob):
             self.optimizers = refresh_replicas(job.sources, self.optimizers)
         else:
             self._merge(job)
         self.merge_seconds += time.perf_counter() - start
         self._set_merged(job.iteration)
 
-    def _drop(self, item: MergeJob | _Anchor) -> None:
+    def _drop(self, item: MergeJob | AnchorJob) -> None:
         if isinstance(item, MergeJob) and item.slot is not None:
             self.snapshotter.release(item.slot)
 

@@ -330,8 +330,10 @@ class BucketSnapshotter:
         if self._current is None:
             if self.before_iteration is not None:
                 start = time.perf_counter()
-                self.before_iteration()
+                self.before_iteration()  # may pause, past max_wait_s
                 self.slot_wait_seconds += time.perf_counter() - start
+                if self.paused:
+                    return None
             try:
                 index = self._free.get_nowait()
             except queue.Empty:

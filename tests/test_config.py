@@ -112,9 +112,11 @@ def test_keeper_auto_picks_per_mode_what_measured_best_and_options_override_it()
     assert DiffCkptConfig(mode="lowdiff", options=no_base).keeper_plan() == KeeperPlan(
         writes_log=True
     )
-    # a bounded merge wait: the replica in the rank, where the wait is bounded
+    # a bounded merge wait bounds the hand-over to the keeper: the replica stays there
     bounded = DiffCkptOptions(max_merge_wait_ms=100)
-    assert DiffCkptConfig(mode="lowdiff-plus", options=bounded).keeper_plan() == KeeperPlan()
+    assert DiffCkptConfig(mode="lowdiff-plus", options=bounded).keeper_plan() == KeeperPlan(
+        replica=True
+    )
     writes = DiffCkptOptions(keeper_writes_bases=True)
     assert DiffCkptConfig(mode="lowdiff-plus", options=writes).keeper_plan() == KeeperPlan(
         replica=True, writes_bases=True
@@ -173,14 +175,7 @@ def test_defaults_and_values():
         ),
         (
             {"mode": "lowdiff", "options": DiffCkptOptions(max_merge_wait_ms=100)},
-            "max_merge_wait_ms is for lowdiff-plus with its replica in the rank",
-        ),
-        (
-            {
-                "mode": "lowdiff-plus",
-                "options": DiffCkptOptions(max_merge_wait_ms=100, keeper_replica=True),
-            },
-            "max_merge_wait_ms is for lowdiff-plus with its replica in the rank",
+            "max_merge_wait_ms is for --diffckpt-mode lowdiff-plus",
         ),
         (
             {

@@ -27,6 +27,7 @@ from launch import (
     kill_tree,
     last_logged,
     launch_node,
+    rank_process,
     run_cli,
     run_gpt,
     wait_logged,
@@ -239,6 +240,66 @@ def test_an_iterations_first_reduction_waits_for_the_previous_hand_over(tmp_path
         merger.close()
 
 
+def test_past_the_bound_a_hand_over_pauses_the_snapshots_until_a_base_re_anchors_the_keeper(
+    tmp_path,
+):
+    """``max_merge_wait_ms`` with the replica in the keeper: with the keeper stopped,
+    iteration 2's first reduction waits 0.2 s for the hand-over of 1, then pauses instead (no
+    slot, nothing copied, nothing handed over), as does 3 without waiting. Once the keeper runs
+    again, a base at 3 re-anchors its replica to the training state (the input it held merged
+    first, every slot given back), the snapshots resume, and the replica follows training
+    exactly from there."""
+    with _rank_against_a_keeper(tmp_path) as (proc, sock, merger, snapshotter, train):
+        snapshotter.max_wait_s = 0.2
+        grads = torch.empty(NUMEL)
+        request = _step(train, grads, 1)
+        snapshotter.before_reduction()
+        snapshotter.on_bucket_ready("b0", grads)
+        proc.send_signal(signal.SIGSTOP)
+        merger.submit(
+            MergeJob(1, snapshotter.finish_iteration(1), StepInputs(request["groups"], {}), 1, 8,
+                     ({}, {}))
+        )  # fmt: skip
+        for it in (2, 3):  # paused: not snapshotted, dropped
+            request = _step(train, grads, it)
+            snapshotter.before_reduction()
+            snapshotter.on_bucket_ready("b0", grads)
+            assert snapshotter.paused and snapshotter.finish_iteration(it) is None
+            inputs = StepInputs(request["groups"], {})
+            merger.submit(MergeJob(it, None, inputs, it, 8 * it, ({}, {}), dropped=True))
+        assert 0.2 <= snapshotter.slot_wait_seconds < 30  # one bounded wait, at iteration 2
+        proc.send_signal(signal.SIGCONT)
+        staged = _training_optimizer()  # the base's copy of the training state at 3
+        staged.load_state_dict(train.state_dict())
+        for p_staged, p_train in zip(
+            staged.param_groups[0]["params"], train.param_groups[0]["params"], strict=True
+        ):
+            p_staged.copy_(p_train)
+        merger.anchor_queued([staged], 3)
+        snapshotter.resume()
+        assert merger.wait_idle(30)
+        assert merger.merged_iteration == 3
+        (row,) = query(sock)["replicas"]
+        assert (row["merged"], row["held"]) == (3, None)
+        assert snapshotter._free.qsize() == 3  # iteration 1's slot came back
+        request = _step(train, grads, 4)
+        snapshotter.before_reduction()
+        snapshotter.on_bucket_ready("b0", grads)
+        merger.submit(
+            MergeJob(4, snapshotter.finish_iteration(4), StepInputs(request["groups"], {}), 4,
+                     32, ({}, {}))
+        )  # fmt: skip
+        merger.wait_merged(4)
+        (replica,) = merger.optimizers
+        for p_train, p_rep in zip(
+            train.param_groups[0]["params"], replica.param_groups[0]["params"], strict=True
+        ):
+            assert torch.equal(p_train, p_rep)
+            for key, value in train.state[p_train].items():
+                assert torch.equal(value, replica.state[p_rep][key]), key
+        merger.close()
+
+
 def _log_spec(root: Path, batch_size: int = 1, durable: int | None = None) -> dict:
     return {
         "root": str(root), "compressor": "none", "batch_size": batch_size, "max_pending": 2,
@@ -338,7 +399,7 @@ def test_a_full_filesystem_under_the_keepers_log_stops_the_rank_in_its_own_words
             return replies[1]
 
     rank = KeeperReplicaMerger.__new__(KeeperReplicaMerger)
-    rank.client = Client()
+    rank.client = rank._link = Client()
     with pytest.raises(StorageFullError, match="No space left on device"):
         rank._call({"op": "replica_merge"})
     hosted.log.writer.close()
@@ -398,6 +459,51 @@ def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tm
     assert "recovery: iteration 10 from the replica in the node's keeper" in log, log[-3000:]
     assert "loaded checkpoint from" not in log  # only base 0 exists; it was not read
     _assert_ends_as_straight(tmp_path, 10)
+
+
+@pytest.mark.distributed
+def test_a_keeper_slower_than_training_pauses_until_the_next_base_and_recovery_stays_exact(
+    tmp_path,
+):
+    """The keeper sleeps 0.4 s per merge (a host that cannot keep up; iterations take about
+    50 ms), with ``max_merge_wait_ms=100``: an iteration waits at most 100 ms for the previous
+    one's hand-over, then nothing is handed over until the next base (every 8), which is staged
+    from the training state and re-anchors the keeper's replica. The log line's ``stats`` call
+    does not wait behind a merge (the replica has a connection of its own). Rank 1 is
+    SIGKILLed in the pause after base 8 was published; the restart recovers no older than that
+    base (the keepers' replicas may not be anchored to it yet: storage's then serves) and ends
+    equal to the uninterrupted run (``torch.equal``); the keeper says nothing of the rank that
+    died in the middle of a merge."""
+    common, plus = _keeper_job(tmp_path, total=20, full_interval=8)
+    plus += ["--diffckpt-option", "max_merge_wait_ms=100"]
+    proc, lines = launch_node([*common, *plus], {"DIFFCKPT_DELAY": "keeper-merge:0.4"})
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not ("base of iteration 8 published" in "".join(lines) and last_logged(
+                "".join(lines)) >= 10):  # fmt: skip
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+            time.sleep(0.01)
+        rank_process(1, proc.pid).send_signal(signal.SIGKILL)
+        killed_after = last_logged("".join(lines))
+        log = finish_node(proc, lines)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    first = log[: log.index("base of iteration 8 published")]
+    for rank in (0, 1):  # both paused before base 8, which re-anchored their replicas
+        assert re.search(rf"\[rank{rank}\].*iterations from \d+ on are neither merged nor "
+                         r"logged", first), first[-4000:]  # fmt: skip
+    assert re.search(r"iterations \d+-8 were not merged; the base of iteration 8 is staged "
+                     r"from the training state", first), first[-4000:]  # fmt: skip
+    assert re.search(r"merge backlog: \d+ \(not merged until the next base\) \|", first)
+    restart = log[log.index("base of iteration 8 published") :]
+    got = re.search(r"recovery: iteration (\d+) from the replica in the node's keeper", restart)
+    if got is None:  # the keepers' replicas not anchored to base 8 yet, or apart: storage
+        got = re.search(r"recovering to iteration (\d+)", restart)
+    assert got is not None, restart[-4000:]
+    assert 8 <= int(got[1]) <= killed_after + 1, (got[0], killed_after)
+    assert "Exception occurred during processing" not in log, log[-4000:]
+    _assert_ends_as_straight(tmp_path, int(got[1]))
 
 
 @pytest.mark.distributed

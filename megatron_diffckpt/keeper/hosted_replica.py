@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_diffckpt import blocked_adam, merge_threads
+from megatron_diffckpt import blocked_adam, failpoints, merge_threads
 from megatron_diffckpt.background import CpuMeter
 from megatron_diffckpt.capture import GradShardCapture, record_grads, set_step_inputs
 from megatron_diffckpt.keeper.logs import open_log
@@ -247,6 +247,7 @@ class HostedReplica:
         if not held.inputs.skipped:
             if held.slot is None:
                 raise ValueError(f"iteration {held.iteration} stepped without snapshots")
+            failpoints.delay("keeper-merge")
             step_replica(
                 self.optimizers, self.layout, self.slots[held.slot], held.filled, held.inputs,
                 held.iteration, self.cpu, log.capture.on_ready_grads if log else None,

@@ -25,7 +25,13 @@ from megatron_diffckpt.capture import restore_rng
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.keeper.protocol import Op
 from megatron_diffckpt.out_of_space import StorageFullError
-from megatron_diffckpt.replica_merger import MergeJob, QueuedMerges, ShardLayout, replica_of
+from megatron_diffckpt.replica_merger import (
+    AnchorJob,
+    MergeJob,
+    QueuedMerges,
+    ShardLayout,
+    replica_of,
+)
 from megatron_diffckpt.shared_replica import (
     SharedArena,
     build,
@@ -63,6 +69,10 @@ class KeeperReplicaMerger(QueuedMerges):
         log: dict[str, Any] | None = None,
     ):
         self.client = client
+        self._link = client.sibling()
+        """The replica's own connection to the keeper: a hand-over waits for the keeper's
+        merge of the iteration before, and the training thread's other calls to the keeper
+        (the log line's ``stats``) must not wait behind it."""
         self.layout = layout
         self.log = log
         """What the keeper's writer of this rank's diff log takes
@@ -79,6 +89,7 @@ class KeeperReplicaMerger(QueuedMerges):
         replica the training state was copied from (the next :meth:`anchor` keeps it)."""
         self._slot_specs: list[dict[str, Any]] = []
         self._held: dict[int, SnapshotSlot] = {}
+        self._handed = -1  # the newest iteration handed over
         self._cpu_seen: dict[str, float] = {}
         super().__init__("diffckpt-keeper-hand-over", self._hand_over, self._drop)
 
@@ -98,15 +109,31 @@ class KeeperReplicaMerger(QueuedMerges):
         most one iteration apart in their keepers, which each offer two (the replica and the
         input it holds), so all of them recover from the keepers. The hand-over has the next
         iteration's forward pass to finish in; a wait counts in the snapshotter's
-        ``slot_wait_seconds``."""
+        ``slot_wait_seconds``.
+
+        With a bound on that wait (the snapshotter's ``max_wait_s``,
+        ``--diffckpt-option max_merge_wait_ms``), a hand-over still running past it pauses the
+        snapshotter: nothing is handed over until the next base re-anchors the keeper's replica
+        (:meth:`anchor_queued`). Ranks may then be further apart in their keepers than one
+        iteration; a recovery finds no iteration every keeper reaches and goes to storage, as
+        when a keeper is lost."""
         self.snapshotter = snapshotter
-        snapshotter.before_iteration = self.wait_idle
+        snapshotter.before_iteration = self._before_iteration
+
+    def _before_iteration(self) -> None:
+        if not self.wait_idle(self.snapshotter.max_wait_s):
+            self.snapshotter.paused = True
 
     # ----------------------------------------------------------------- training thread
     def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
         """Make the keeper's replica equal to ``torch_optimizers`` after ``iteration`` (a new
         copy in shared memory, or, after a recovery from the keeper, the replica it came from)."""
         self.wait_idle()
+        self._open(torch_optimizers, iteration)
+
+    def _open(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        """``replica_open``: the training thread with the hand-over thread idle, or the
+        hand-over thread (:meth:`anchor_queued`)."""
         request: dict[str, Any] = {"op": Op.REPLICA_OPEN, "iteration": iteration}
         if self.resumed is not None and self.resumed[0] == iteration:
             description = self.resumed[1]
@@ -132,6 +159,9 @@ class KeeperReplicaMerger(QueuedMerges):
         self._call(request)
         self.optimizers = optimizers
         self.arena.specs.clear()  # the keeper owns the files now
+        for index in list(self._held):  # the new replica holds no input
+            self.snapshotter.release(self._held.pop(index))
+        self._handed = iteration
         self._set_merged(iteration)
 
     def wait_merged(self, iteration: int) -> float:
@@ -146,10 +176,18 @@ class KeeperReplicaMerger(QueuedMerges):
         """Hand over what is queued, then drop the replica (the job ended: its final base is
         the training loop's)."""
         super().close()
-        self.client.call({"op": Op.REPLICA_CLOSE})
+        self._link.call({"op": Op.REPLICA_CLOSE})
+        self._link.close()
 
     # ----------------------------------------------------------------- hand-over thread
-    def _hand_over(self, job: MergeJob) -> None:
+    def _hand_over(self, job: MergeJob | AnchorJob) -> None:
+        if isinstance(job, AnchorJob):  # a base during a pause: the replica starts again there
+            if self._held:  # its input merged first, so that the keeper gives its slot back
+                self._released(self._call({"op": Op.REPLICA_FLUSH, "through": self._handed}))
+            self._open(job.sources, job.iteration)
+            return
+        if job.dropped:  # paused: not snapshotted, nothing to hand over
+            return
         if job.slot is not None:
             job.slot.wait_ready()
             self._held[job.slot.index] = job.slot
@@ -165,7 +203,7 @@ class KeeperReplicaMerger(QueuedMerges):
             "clip": {str(k): v for k, v in job.inputs.clip_coeffs.items()},
         }
         self._released(self._call(request, record))
-        self.client.held_iteration = job.iteration
+        self._handed = self.client.held_iteration = job.iteration
 
     def _released(self, reply: dict[str, Any]) -> None:
         for index in reply["released"]:
@@ -179,11 +217,11 @@ class KeeperReplicaMerger(QueuedMerges):
         self._set_merged(max(self._merged, int(reply["merged"])))
 
     def _call(self, request: dict[str, Any], payload: bytes = b"") -> dict[str, Any]:
-        reply = self.client.call(request, payload)
+        reply = self._link.call(request, payload)
         if reply is None:
             raise RuntimeError(
                 f"LowDiff+: the node's keeper, which holds this rank's replica, is gone "
-                f"({self.client.lost}); a restart recovers from storage's newest base"
+                f"({self._link.lost}); a restart recovers from storage's newest base"
             )
         if "error" in reply[0]:
             if reply[0].get("kind") == "StorageFullError":  # the diff log the keeper writes
@@ -195,8 +233,8 @@ class KeeperReplicaMerger(QueuedMerges):
             raise RuntimeError(message)
         return reply[0]
 
-    def _drop(self, job: MergeJob) -> None:
-        if job.slot is not None and job.slot.index not in self._held:
+    def _drop(self, job: MergeJob | AnchorJob) -> None:
+        if isinstance(job, MergeJob) and job.slot is not None and job.slot.index not in self._held:
             self.snapshotter.release(job.slot)
 
 
@@ -248,11 +286,10 @@ def recover_from_keepers(
 
     ``client`` is this rank's keeper client (``None``: none runs); ``publish()`` makes the
     model's parameters follow the copied main parameters (collective); ``all_reduce_min`` is
-    :func:`~megatron_diffckpt.recovery.all_reduce_min`. LowDiff's replicas
-    (``--diffckpt-option keeper_replica``): the iteration must be at least ``floor``
-    (storage's newest base) and at most ``ceiling`` (this rank's chain end, so that storage's
-    log can be made to reach it), and the replica's error-feedback ``residuals`` are loaded
-    too. Returns
+    :func:`~megatron_diffckpt.recovery.all_reduce_min`. The iteration must be at least
+    ``floor`` (storage's newest base). LowDiff's replicas (``--diffckpt-option
+    keeper_replica``): at most ``ceiling`` (this rank's chain end, so that storage's log can be
+    made to reach it), and the replica's error-feedback ``residuals`` are loaded too. Returns
     ``(iteration, its record, the seconds it took, the replica's description, the tier that
     held it)``, or ``None`` when some rank's keeper cannot reach the iteration every rank
     reaches (then every rank recovers from ``fallback``, as the log line says).

@@ -109,7 +109,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         max_merge_wait_s: how long an iteration may wait for a free snapshot slot; past it,
             nothing is merged nor logged until the next base, which re-anchors the replica to
             the training state (``--diffckpt-option max_merge_wait_ms``); ``None``: as long as
-            it takes. The replica in the rank only.
+            it takes. In the keeper: the wait for the previous iteration's hand-over.
     """
 
     name = "lowdiff-plus"
@@ -167,8 +167,6 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             cpu=self.cpu,
             buffer=buffer,
         )
-        if max_merge_wait_s is not None and self.in_keeper:
-            raise ValueError("a bounded merge wait is for the replica in the rank")
         self.snapshotter.max_wait_s = max_merge_wait_s
         self._unmerged_from: int | None = None  # the first iteration not merged (paused)
         self._anchored_at = -1  # the newest base staged from the training state in a pause
