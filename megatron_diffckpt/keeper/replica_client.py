@@ -89,7 +89,6 @@ class KeeperReplicaMerger(QueuedMerges):
         replica the training state was copied from (the next :meth:`anchor` keeps it)."""
         self._slot_specs: list[dict[str, Any]] = []
         self._held: dict[int, SnapshotSlot] = {}
-        self._handed = -1  # the newest iteration handed over
         self._cpu_seen: dict[str, float] = {}
         super().__init__("diffckpt-keeper-hand-over", self._hand_over, self._drop)
 
@@ -161,7 +160,6 @@ class KeeperReplicaMerger(QueuedMerges):
         self.arena.specs.clear()  # the keeper owns the files now
         for index in list(self._held):  # the new replica holds no input
             self.snapshotter.release(self._held.pop(index))
-        self._handed = iteration
         self._set_merged(iteration)
 
     def wait_merged(self, iteration: int) -> float:
@@ -182,8 +180,8 @@ class KeeperReplicaMerger(QueuedMerges):
     # ----------------------------------------------------------------- hand-over thread
     def _hand_over(self, job: MergeJob | AnchorJob) -> None:
         if isinstance(job, AnchorJob):  # a base during a pause: the replica starts again there
-            if self._held:  # its input merged first, so that the keeper gives its slot back
-                self._released(self._call({"op": Op.REPLICA_FLUSH, "through": self._handed}))
+            if self._held:  # the input it holds merged first: the keeper gives its slot back
+                self._released(self._call({"op": Op.REPLICA_FLUSH, "through": job.iteration}))
             self._open(job.sources, job.iteration)
             return
         if job.dropped:  # paused: not snapshotted, nothing to hand over
@@ -203,7 +201,7 @@ class KeeperReplicaMerger(QueuedMerges):
             "clip": {str(k): v for k, v in job.inputs.clip_coeffs.items()},
         }
         self._released(self._call(request, record))
-        self._handed = self.client.held_iteration = job.iteration
+        self.client.held_iteration = job.iteration
 
     def _released(self, reply: dict[str, Any]) -> None:
         for index in reply["released"]:
