@@ -20,19 +20,28 @@ from __future__ import annotations
 
 import errno
 import os
-
-from torch.distributed.checkpoint.api import CheckpointException
+from typing import Any
 
 from megatron_diffckpt.errors import DiffCkptError
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 """A write that failed for want of space (no space, quota, file size limit)."""
 
-SAVE_FAILURES = (Exception, CheckpointException)
-"""What a failed megatron save or finalize raises: any error (a rank's own: its writer's helper
-process gone, a permission refused; or megatron's report of a failed write on every rank), and
-DCP's exception, a ``BaseException``. The ranks agree on it before acting
-(:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.agree_on_base`)."""
+
+def __getattr__(name: str) -> Any:
+    """``SAVE_FAILURES``: what a failed megatron save or finalize raises: any error (a rank's own:
+    its writer's helper process gone, a permission refused; or megatron's report of a failed
+    write on every rank), and DCP's ``CheckpointException``, a ``BaseException``. The ranks agree
+    on it before acting (:meth:`~megatron_diffckpt.manager.DiffCheckpointManager.agree_on_base`).
+
+    Resolved on first use (PEP 562): importing DCP costs a process about 45 MB and a second, and
+    the node's keeper, which imports this module for :class:`StorageFullError`, saves no base."""
+    if name == "SAVE_FAILURES":
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        return (Exception, CheckpointException)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 HEADROOM = 1.1
 """A base is started only when this many times the newest base's bytes are free."""

@@ -147,6 +147,30 @@ def test_a_keeper_removes_the_shared_memory_folders_of_keepers_that_died(tmp_pat
             proc.wait(30)
 
 
+def test_a_keeper_does_not_import_what_it_never_uses(tmp_path):
+    """A keeper, started and stopped as the launcher does, never imports PyTorch DCP (with
+    sympy and DTensor behind it: about 45 MB of every keeper's memory and a second of its start)
+    nor megatron: it saves no base and builds no model. Read from the real process's
+    ``-X importtime`` report."""
+    sock, report = str(tmp_path / "keeper.sock"), tmp_path / "imports.txt"
+    cmd = [sys.executable, "-X", "importtime", "-m", "megatron_diffckpt.keeper", "--socket", sock]
+    with open(report, "w") as err:
+        proc = subprocess.Popen([*cmd, "--memory-mib", "8"], cwd=REPO, stderr=err)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            assert proc.poll() is None and time.monotonic() < deadline, report.read_text()
+            time.sleep(0.05)
+        assert query(sock)["ranks"] == 0
+        stop(sock)
+        assert proc.wait(30) == 0
+    lines = report.read_text().splitlines()
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "megatron_diffckpt.keeper.replicas" in imported and "torch" in imported
+    unused = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "megatron")
+    assert not [name for name in unused if name in imported]
+    assert "keeper: stopped after" in lines[-1]
+
+
 def test_a_message_frames_a_payload_past_4_gib():
     """A replica or base of a large model's shard (12 bytes per parameter) goes to a peer in one
     message: its frame counts the payload in 64 bits."""
