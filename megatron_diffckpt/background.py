@@ -197,14 +197,49 @@ def children_die_with_this_process() -> None:
         _FORK_HOOK = True
 
 
-def die_with_parent_if_spawned() -> None:
-    """For an entry script: when this interpreter is a helper that ``multiprocessing`` started by
-    *spawn* (it re-imports the script; megatron's checkpoint writer starts its results manager
-    that way), let it die with the rank that started it. Spawned processes do not run fork
-    hooks. (The spawned interpreter's ``sys.argv`` is the parent's while it re-imports the
-    script; its own command line is ``sys.orig_argv``.)"""
+_FORK_SERVER = "from multiprocessing.forkserver import main"
+"""How ``multiprocessing`` starts its fork server: ``python -c`` with this code."""
+_FORK_SERVER_PRELOAD = "megatron_diffckpt.fork_server_preload"
+
+
+def helpers_die_with_this_rank() -> None:
+    """For an entry script, at import, so that nothing a killed rank started outlives it.
+
+    In the rank: :func:`children_die_with_this_process` (megatron-core 0.19 forks its checkpoint
+    writer's results manager while Megatron-LM initializes, before this project's manager
+    starts) and :func:`fork_server_dies_with_this_process`. In a helper that ``multiprocessing``
+    started by *spawn* (it imports the script; megatron's checkpoint writer spawns its results
+    manager): die with the rank (spawned processes do not run the rank's fork hooks). In the
+    fork server or a process it forked: nothing more (the server's preload did it). (A helper's
+    ``sys.argv`` is the parent's while it imports the script; its own command line is
+    ``sys.orig_argv``.)"""
     if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):
         die_with_parent()
+    elif not in_fork_server():
+        children_die_with_this_process()
+        fork_server_dies_with_this_process()
+
+
+def in_fork_server() -> bool:
+    """Whether this interpreter is ``multiprocessing``'s fork server, or a process it forked."""
+    return any(arg.startswith(_FORK_SERVER) for arg in getattr(sys, "orig_argv", ()))
+
+
+def fork_server_dies_with_this_process() -> None:
+    """The fork server ``multiprocessing`` starts from this process, if it starts one after this
+    call (megatron-core 0.19 forks its persistent checkpoint worker from one), dies with the
+    thread that started it, and every process it forks dies with it
+    (:mod:`~megatron_diffckpt.fork_server_preload`, which it imports before it serves). Without
+    this a killed rank's fork server and worker live on: the fork server is started by
+    ``spawnv``, which runs no fork hook and imports no entry script (Python 3.12 passes it no
+    main path), and the worker's queues keep the rank's resource tracker waiting, with their
+    semaphores in /dev/shm. Any process; idempotent."""
+    from multiprocessing import forkserver
+
+    # the modules the server preloads (default ["__main__"]); only a setter is public
+    modules = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+    if _FORK_SERVER_PRELOAD not in modules:
+        forkserver.set_forkserver_preload([*modules, _FORK_SERVER_PRELOAD])
 
 
 _EXIT_HOOK = False

@@ -14,7 +14,9 @@ resource tracker): they would linger after the job, and on Slurm they count as t
 step, ``srun`` and the job would wait for them forever instead of failing and being requeued.
 This launcher makes itself the *subreaper* of everything below it (Linux
 ``PR_SET_CHILD_SUBREAPER``), so the orphans become its children, and kills them once torchrun has
-exited.
+exited (all but the ``multiprocessing`` resource trackers, which end by themselves once the
+processes they watched are gone, after removing those processes' named semaphores from /dev/shm;
+:func:`kill_leftovers`).
 
 ``--keeper-memory MIB`` also starts the node's keeper (:mod:`megatron_diffckpt.keeper`) with that
 memory cap before torchrun, and stops it after: the memory tier, which the ranks use under
@@ -77,6 +79,8 @@ JOB_ENV = "DIFFCKPT_LAUNCH_JOB"
 """Set by the launcher in the environment of everything it starts (torchrun, hence the ranks and
 their children, and the keeper): what the watchdog kills when the launcher is gone."""
 WATCH_POLL_S = 0.2
+TRACKER_WAIT_S = 10.0
+"""How long the launcher's last sweep waits for the ranks' resource trackers to end."""
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -289,16 +293,44 @@ def main(argv: list[str] | None = None) -> int:
         stop_keeper(keeper, env["DIFFCKPT_KEEPER"])
     watchdog.kill()
     watchdog.wait()
-    leftovers = psutil.Process().children(recursive=True)
-    for p in leftovers:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(leftovers, timeout=30)
-    if leftovers:
-        print(f"{PROG}: killed {len(leftovers)} process(es) left by the ranks", flush=True)
+    killed = kill_leftovers(psutil.Process().children(recursive=True))
+    if killed:
+        print(f"{PROG}: killed {killed} process(es) left by the ranks", flush=True)
     return rc
+
+
+def is_resource_tracker(p: psutil.Process) -> bool:
+    """Whether ``p`` is a ``multiprocessing`` resource tracker (a rank starts one with its first
+    queue or manager)."""
+    try:
+        return any("multiprocessing.resource_tracker" in arg for arg in p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def kill_leftovers(procs: list[psutil.Process]) -> int:
+    """SIGKILL ``procs`` (what the ranks left, reparented here) but the resource trackers, then
+    give those up to :data:`TRACKER_WAIT_S` to end on their own: once every process that held
+    a rank's queues is gone, its tracker removes their named semaphores from /dev/shm and
+    exits (killed first, it would leave them there). Returns how many live processes it
+    killed (the exited ones it only reaps)."""
+    trackers = [p for p in procs if is_resource_tracker(p)]
+    killed = 0
+    for p in procs:
+        if p in trackers:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                p.kill()
+                killed += 1
+    psutil.wait_procs([p for p in procs if p not in trackers], timeout=30)
+    _, alive = psutil.wait_procs(trackers, timeout=TRACKER_WAIT_S)
+    for p in alive:  # still held open by a process outside the job
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+            killed += 1
+    psutil.wait_procs(alive, timeout=30)
+    return killed
 
 
 if __name__ == "__main__":

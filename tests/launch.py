@@ -19,11 +19,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import torch
 from rank_launcher import FORK_SERVER_ENV
+
+from megatron_diffckpt.launch import is_resource_tracker
 
 REPO = Path(__file__).resolve().parent.parent
 PRETRAIN_GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
@@ -142,6 +145,62 @@ def run_gpt(
     return proc
 
 
+def _rank_of(p: psutil.Process) -> int | None:
+    try:
+        return int(p.environ().get("RANK", ""))
+    except (psutil.Error, ValueError):
+        return None
+
+
+def outliving_a_killed_rank(script: Path, args: list[str], ready: Callable[[], bool]) -> list[str]:
+    """Run ``script`` on 2 ranks under plain ``torchrun`` (not the node launcher, which reaps
+    orphans itself) until ``ready()``, SIGKILL the rank with ``RANK=1`` (found by its
+    environment, not by its place in a process list), let torchrun stop the other rank and
+    exit, wait 10 s: the command lines of the processes that ever ran below torchrun and are
+    still alive (killed, so the machine stays clean for the next test), and the named
+    semaphores (``sem.mp-*`` in /dev/shm) the job created and nothing removed (removed too)."""
+    semaphores = set(Path("/dev/shm").glob("sem.mp-*"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    torchrun = subprocess.Popen(
+        [*cmd, str(script), *args], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    seen: dict[int, float] = {}  # pid -> create time, of every process ever below torchrun
+
+    def look() -> None:
+        for p in psutil.Process(torchrun.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                seen.setdefault(p.pid, p.create_time())
+
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not ready():
+            assert torchrun.poll() is None, "training ended early"
+            assert time.monotonic() < deadline, "training never got ready"
+            look()
+            time.sleep(0.02)
+        look()
+        victim = next(p for p in psutil.Process(torchrun.pid).children() if _rank_of(p) == 1)
+        victim.send_signal(signal.SIGKILL)
+        torchrun.wait(RUN_TIMEOUT_S)
+    finally:
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+    assert len(seen) > 2  # the ranks and at least one helper of megatron's writer
+    time.sleep(10)
+    alive = []
+    for pid, created in seen.items():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(" ".join(p.cmdline())[:200])
+                p.kill()
+    left = sorted(set(Path("/dev/shm").glob("sem.mp-*")) - semaphores)
+    for path in left:
+        path.unlink(missing_ok=True)
+    return alive + [str(path) for path in left]
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """``megatron-diffckpt ARGS``, by its ``main`` in this process (a new process would spend
     seconds importing torch; ``test_cli.py`` runs the command itself): its exit code and what it
@@ -224,13 +283,6 @@ def tracker_at(ckpt: Path, iteration: int):
     return published
 
 
-def _is_resource_tracker(p: psutil.Process) -> bool:
-    try:
-        return any("multiprocessing.resource_tracker" in arg for arg in p.cmdline())
-    except psutil.Error:
-        return False
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every process of its job (:func:`job_processes`), as a lost
     node loses them, but the ``multiprocessing`` resource trackers: they remove the named
@@ -238,7 +290,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
     in /dev/shm, which a lost node loses with its memory, and end once those processes are
     gone."""
     victims = job_processes(proc.pid)  # empty when it ended by itself: the caller says why
-    trackers = [p for p in victims if _is_resource_tracker(p)]
+    trackers = [p for p in victims if is_resource_tracker(p)]
     victims = [p for p in victims if p not in trackers]
     for p in victims:
         try:

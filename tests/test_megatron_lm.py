@@ -44,6 +44,7 @@ from launch import (
     RUN_TIMEOUT_S,
     _env,
     assert_help_lists_every_flag,
+    outliving_a_killed_rank,
     run_cli,
     run_gpt,
     run_script,
@@ -747,3 +748,18 @@ def test_a_write_refused_on_one_rank_stops_megatron_lms_loop_in_one_line_per_ran
     )  # fmt: skip
     final = f"iter_{TOTAL:07d}"
     _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
+
+
+@pytest.mark.distributed
+def test_no_process_of_a_killed_job_with_asynchronous_saves_outlives_torchrun(tmp_path):
+    """Megatron-LM's loop, LowDiff, asynchronous saves through Megatron-LM's persistent worker
+    (megatron-core 0.19 forks it from ``multiprocessing``'s fork server, and forks its writer's
+    results manager while Megatron-LM initializes, before the manager starts), under plain
+    torchrun: rank 1 SIGKILLed once base 4 is published. 10 s after torchrun exits nothing the
+    job started is alive (the fork server and the worker included), and the named semaphores
+    of the worker's queues are gone from /dev/shm (the ranks' resource trackers removed them)."""
+    ckpt = tmp_path / "ckpt"
+    args = [*GPT, *ASYNC_SAVE.split(), "--train-iters", "1000", "--save", str(ckpt)]
+    args += ["--save-interval", "2", "--diffckpt-mode", "lowdiff"]
+    left = outliving_a_killed_rank(SCRIPT, args, tracker_at(ckpt, 4))
+    assert not left, f"{len(left)} process(es) or semaphore(s) of the killed job left: {left}"

@@ -35,9 +35,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from megatron_diffckpt import cpu_mode  # noqa: E402
-from megatron_diffckpt.background import die_with_parent_if_spawned  # noqa: E402
+from megatron_diffckpt.background import helpers_die_with_this_rank  # noqa: E402
 
-die_with_parent_if_spawned()  # a helper megatron's checkpoint writer spawned: dies with its rank
+helpers_die_with_this_rank()  # what this rank starts (megatron's checkpoint writers) dies with it
 cpu_mode.enable_if_inherited()  # a helper that megatron started by spawn or forkserver
 
 # Flags CPU processes need, with the values they need (Megatron-LM defaults to NCCL, fused CUDA

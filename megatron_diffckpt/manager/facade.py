@@ -40,7 +40,7 @@ from megatron_diffckpt.autotune import (
     OnlineTuner,
 )
 from megatron_diffckpt.background import (
-    children_die_with_this_process,
+    helpers_die_with_this_rank,
     quiet_child_exits_at_exit,
 )
 from megatron_diffckpt.base_space import BaseSpace
@@ -254,7 +254,7 @@ class DiffCheckpointManager:
         # it is published before the first iteration (LowDiff+ waits for its persister; a loop
         # with asynchronous saves finalizes it), so every iteration is recoverable.
         self._start_base = iteration if self.recovered is None else None
-        children_die_with_this_process()  # megatron's writers never outlive a killed rank
+        helpers_die_with_this_rank()  # megatron's writers never outlive a killed rank
         quiet_child_exits_at_exit()  # the DataLoader workers' exits: no stray line at the end
         base_checkpoint.warm_up_writer()  # the first base then costs what later ones cost
         if self.recovered is None and os.path.isdir(self.rank_dir):

@@ -387,7 +387,7 @@ def warm_up_writer() -> Future:
                 )
 
         # The thread stays (idle) after the warm-up: the writer's manager process, which it
-        # starts, dies when its starting thread ends (background.die_with_parent_if_spawned).
+        # starts, dies when its starting thread ends (background.helpers_die_with_this_rank).
         future: Future = Future()
         future.add_done_callback(report)
 
