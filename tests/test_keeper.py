@@ -95,14 +95,18 @@ def test_state_evicts_the_oldest_of_the_longest_chain_and_refuses_what_cannot_fi
 
 
 def start_keeper(sock: str, *extra: str) -> subprocess.Popen:
-    """A keeper process on ``sock`` (8 MiB), once it listens."""
+    """A keeper process on ``sock`` (8 MiB), once it answers (a file left at ``sock`` by a keeper
+    that died is there before the new one listens)."""
     cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock]
     proc = subprocess.Popen([*cmd, "--memory-mib", "8", *extra], cwd=REPO, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
-    while not os.path.exists(sock):
+    while True:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-        time.sleep(0.05)
-    return proc
+        try:
+            query(sock)
+            return proc
+        except (FileNotFoundError, ConnectionRefusedError):
+            time.sleep(0.05)
 
 
 @pytest.fixture
@@ -169,6 +173,29 @@ def test_a_keeper_does_not_import_what_it_never_uses(tmp_path):
     unused = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy", "megatron")
     assert not [name for name in unused if name in imported]
     assert "keeper: stopped after" in lines[-1]
+
+
+def test_a_socket_in_use_is_refused_in_one_line_and_a_dead_keepers_is_taken_over(tmp_path):
+    """A second keeper on a live keeper's socket exits 2 with one line, and the live one serves
+    on; once that keeper is SIGKILLed (its socket file stays), a new keeper takes the path."""
+    sock = str(tmp_path / "keeper.sock")
+    first = start_keeper(sock)
+    cmd = [sys.executable, "-m", "megatron_diffckpt.keeper", "--socket", sock, "--memory-mib", "8"]
+    second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2
+    assert second.stderr.splitlines()[-1] == f"[keeper] keeper: a keeper already listens on {sock}"
+    assert "Traceback" not in second.stderr
+    assert query(sock)["ranks"] == 0  # the first one serves on
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    assert os.path.exists(sock)
+    third = start_keeper(sock)
+    try:
+        assert query(sock)["ranks"] == 0
+    finally:
+        stop(sock)
+        third.wait(30)
+    assert f"removed {sock}, left by a keeper that died" in third.stderr.read().decode()
 
 
 def test_a_message_frames_a_payload_past_4_gib():

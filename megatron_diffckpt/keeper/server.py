@@ -489,6 +489,16 @@ def _serve(
     return state
 
 
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--socket", required=True, help="the Unix socket to serve on")
@@ -525,6 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.node < args.nnodes:
         parser.error(f"--node {args.node} is not one of the {args.nnodes} node(s)")
     logging.basicConfig(level=logging.INFO, format="[keeper] %(message)s", stream=sys.stderr)
+    if os.path.exists(args.socket):
+        if _listening(args.socket):
+            logger.error("keeper: a keeper already listens on %s", args.socket)
+            return 2
+        os.remove(args.socket)  # left by a keeper that was killed
+        logger.info("keeper: removed %s, left by a keeper that died", args.socket)
     started = time.perf_counter()
     threads = merge_threads.configure(args.merge_threads or default_threads(), args.ranks)
     logger.info("keeper: merges get %r", threads)
