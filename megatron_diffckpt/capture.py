@@ -46,18 +46,19 @@ def step_hyperparameters(inner_index: int, torch_optimizer: Any) -> dict[str, li
     }
 
 
-def encode_grad(grad: torch.Tensor) -> dict[str, torch.Tensor]:
+def encode_grad(grad: torch.Tensor, copy: bool = True) -> dict[str, torch.Tensor]:
     """``{"dense": flat}`` or ``{"values", "indices"}``, whichever is smaller; exact either way.
 
-    Non-zero means "some bit set", so ``-0.0`` survives the round trip.
+    Non-zero means "some bit set", so ``-0.0`` survives the round trip. ``copy=False``: the
+    dense form is a view of ``grad`` (the sparse one is new tensors either way).
     """
     flat = grad.detach().reshape(-1)
     bits = flat.view(_INT_VIEW[flat.element_size()])
     nnz = int(torch.count_nonzero(bits))  # one pass, no mask: the dense case is the usual one
     if nnz * (flat.element_size() + 4) < flat.numel() * flat.element_size():
         idx = (bits != 0).nonzero().reshape(-1)
-        return {"values": flat[idx].clone(), "indices": idx.to(torch.int32)}
-    return {"dense": flat.clone()}
+        return {"values": flat[idx], "indices": idx.to(torch.int32)}  # a gather: a copy
+    return {"dense": flat.clone() if copy else flat}
 
 
 def decode_grad(parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -78,22 +79,28 @@ class GradShardCapture:
         ... optimizer.step() ...            # on_ready_grads runs inside, per inner optimizer
         scheduler.step(...)
         record = capture.take_record(iteration, scheduler_steps, consumed_samples, tracker)
+
+    ``copy=False``: a record's dense gradients are views of the ones the optimizer stepped
+    with, for a caller that serialises the record before those change (LowDiff+'s merger,
+    whose diff log writer serialises at append, before the snapshot slot is given back).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copy: bool = True) -> None:
+        self.copy = copy
         self._pending: dict[str, torch.Tensor] = {}
         self._groups: dict[str, list[float]] = {}
         self._last_rng: dict[str, torch.Tensor] = {}
 
     def on_ready_grads(self, inner_index: int, torch_optimizer: torch.optim.Optimizer) -> None:
-        """Copy the gradients and hyper-parameters the torch optimizer is about to use."""
+        """Take the gradients (copies, unless ``copy=False``) and hyper-parameters the torch
+        optimizer is about to use."""
         self._groups.update(step_hyperparameters(inner_index, torch_optimizer))
         for g, group in enumerate(torch_optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 grad = p.grad if p.grad.device.type == "cpu" else p.grad.to("cpu")
-                for part, t in encode_grad(grad).items():
+                for part, t in encode_grad(grad, self.copy).items():
                     self._pending[f"{_name(inner_index, g, i)}:{part}"] = t
 
     def take_record(

@@ -104,6 +104,21 @@ class StagingBuffer:
     def tell(self) -> int:
         return self._size
 
+    def view(self, start: int, end: int) -> memoryview:
+        """The bytes written in ``[start, end)``, without a copy; release it (``with``) before
+        the next write, which may move them."""
+        if not 0 <= start <= end <= self._size:
+            raise ValueError(f"bytes {start}-{end} are not within the {self._size} written")
+        if self._map is None:
+            return memoryview(b"")
+        return memoryview(self._map)[start:end]
+
+    def overwrite(self, offset: int, data: bytes) -> None:
+        """Replace written bytes from ``offset`` on (a header whose room was written first)."""
+        if offset < 0 or offset + len(data) > self._size:
+            raise ValueError(f"{len(data)} bytes at {offset} pass the {self._size} written")
+        self._bytes[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
     @property
     def capacity(self) -> int:
         """Bytes held (a page-aligned mapping; 0 until the first write)."""
@@ -164,9 +179,17 @@ class StagedPublisher:
         and the previous ``path`` untouched, as with :func:`publish_file`."""
         self.staging.reset()
         result = serialise(self.staging)
+        self.publish_staged(path, self.staging, written)
+        return result
+
+    def publish_staged(
+        self, path: str, staging: StagingBuffer, written: Callable[[], None] | None = None
+    ) -> None:
+        """:meth:`publish` of the bytes a caller serialised into ``staging`` (a buffer of its
+        own, left as it is)."""
         tmp = path + ".tmp"
         try:
-            fd = self._write(tmp)
+            fd = self._write(tmp, staging)
             try:
                 if written is not None:
                     written()
@@ -177,16 +200,15 @@ class StagedPublisher:
             _remove_quietly(tmp)
             raise
         _rename_durably(tmp, path)
-        return result
 
     def close(self) -> None:
         self.staging.close()
 
-    def _write(self, tmp: str) -> int:
+    def _write(self, tmp: str, staging: StagingBuffer) -> int:
         """``tmp`` holding the staged bytes; returns its open descriptor."""
         if self.direct:
             try:
-                return self._write_file(tmp, direct=True)
+                return self._write_file(tmp, staging, direct=True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -197,14 +219,15 @@ class StagedPublisher:
                     os.path.dirname(tmp) or ".",
                     exc.strerror,
                 )
-        return self._write_file(tmp, direct=False)
+        return self._write_file(tmp, staging, direct=False)
 
-    def _write_file(self, tmp: str, direct: bool) -> int:
-        size = self.staging.tell()
+    @staticmethod
+    def _write_file(tmp: str, staging: StagingBuffer, direct: bool) -> int:
+        size = staging.tell()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         fd = os.open(tmp, flags, 0o644)
         try:
-            with self.staging.padded() as padded:
+            with staging.padded() as padded:
                 if not direct:
                     _write_all(fd, padded[:size])
                 else:  # whole pages, then the padding, only direct I/O's unit, cut off

@@ -305,7 +305,9 @@ class ReplicaMerger(QueuedMerges):
         self.cpu = cpu if cpu is not None else CpuMeter()
         self.snapshotter = snapshotter
         self.writer = writer
-        self.capture = GradShardCapture()
+        # a writer that serialises at append takes the record before the slot is given back:
+        # the record's gradients need not be copied out of it first
+        self.capture = GradShardCapture(copy=writer is None or not writer.serialise_at_append)
         self.optimizers: list[torch.optim.Optimizer | None] = []
         super().__init__("diffckpt-merger", self._merge_job, self._drop)
 
@@ -359,7 +361,7 @@ class ReplicaMerger(QueuedMerges):
                     record = self.capture.build_record(
                         job.iteration, job.scheduler_steps, job.consumed_samples, job.rng
                     )
-                self.writer.append(record)
+                    self.writer.append(record)
         finally:
             if job.slot is not None:
                 self.snapshotter.release(job.slot)

@@ -19,6 +19,7 @@ from megatron_diffckpt.keeper.wire import recv, send
 from megatron_diffckpt.storage.format import (
     DiffLogFormatError,
     DiffRecord,
+    EncodedRecord,
     SegmentIdentity,
     encode_record,
     iter_records,
@@ -73,7 +74,9 @@ class KeeperClient:
         logger.info("the node's keeper (%s) serves this rank", path)
         return client
 
-    def call(self, header: dict, payload: bytes = b"") -> tuple[dict, bytearray] | None:
+    def call(
+        self, header: dict, payload: bytes | memoryview = b""
+    ) -> tuple[dict, bytearray] | None:
         """One request for this rank (its identity added); the reply, or ``None`` once the
         keeper is lost."""
         if self.lost is not None:
@@ -89,17 +92,18 @@ class KeeperClient:
                 )
                 return None
 
-    def put(self, record: DiffRecord) -> bool:
+    def put(self, record: DiffRecord | EncodedRecord) -> bool:
         """Hand ``record`` to the keeper; ``True`` once it holds it."""
         reply = self.hand(record)
         return reply is not None and reply["held"]
 
-    def hand(self, record: DiffRecord, extra: dict | None = None) -> dict | None:
+    def hand(self, record: DiffRecord | EncodedRecord, extra: dict | None = None) -> dict | None:
         """:meth:`put` with ``extra`` in the request (``log``: the diff log the keeper writes
         for this rank, :mod:`~megatron_diffckpt.keeper.logs`); the keeper's reply, or ``None``
         once it is lost."""
         header = {"op": Op.PUT, "iteration": record.iteration, **(extra or {})}
-        reply = self.call(header, encode_record(record))
+        data = record.data if isinstance(record, EncodedRecord) else encode_record(record)
+        reply = self.call(header, data)
         if reply is None:
             return None
         if reply[0]["held"]:

@@ -83,8 +83,9 @@ class ReplicaLog:
     """
 
     def __init__(self, spec: dict[str, Any], iteration: int, identity: dict[str, Any]):
-        self.writer = open_log(spec, iteration, identity)
-        self.capture = GradShardCapture()
+        # serialised at append, before the slot the gradients lie in is given back: not copied
+        self.writer = open_log(spec, iteration, identity, serialise_at_append=True)
+        self.capture = GradShardCapture(copy=False)
 
     def continues(self, iteration: int) -> bool:
         """Whether a replica at ``iteration`` continues this log's chain."""

@@ -73,12 +73,17 @@ SPEC_FIELDS = ("root", "compressor", "batch_size", "max_pending", "when_full", "
 _SUPERSEDED = {"logged": False, "superseded": "a newer incarnation of this rank opened its log"}
 
 
-def open_log(spec: dict[str, Any], iteration: int, identity: dict[str, Any]) -> DiffLogWriter:
+def open_log(
+    spec: dict[str, Any],
+    iteration: int,
+    identity: dict[str, Any],
+    serialise_at_append: bool = False,
+) -> DiffLogWriter:
     """A writer, in the keeper, of the diff log of ``identity``'s chain from ``iteration``:
     nothing after ``iteration`` is left in storage's log (an older attempt's records there are
     cut off), and the writer takes the rank's folder over. ``spec``: :data:`SPEC_FIELDS`, and
     ``durable``, the newest iteration storage holds of the chain when that is older than
-    ``iteration`` (``None``: ``iteration`` itself)."""
+    ``iteration`` (``None``: ``iteration`` itself). ``serialise_at_append``: the writer's."""
     missing = [f for f in SPEC_FIELDS if f not in spec]
     if missing:
         raise ValueError(f"a diff log opened without {', '.join(missing)}")
@@ -97,6 +102,7 @@ def open_log(spec: dict[str, Any], iteration: int, identity: dict[str, Any]) -> 
         slow_hint=spec["slow_hint"],
         direct_io=bool(spec["direct_io"]),
         durable_from=spec.get("durable"),
+        serialise_at_append=serialise_at_append,
     )
 
 

@@ -315,6 +315,8 @@ class DiffCheckpointManager:
                 **({"slow_hint": PLUS_SLOW_HINT} if plus else {}),
                 sink=self.keeper,
                 direct_io=not self.config.options.buffered_io,
+                # LowDiff+'s merger hands over records that lie in a snapshot slot
+                **({"serialise_at_append": True} if plus and writer_class is DiffLogWriter else {}),
             )
         if self.writer is None and replica is None:
             self._published_bases.append(iteration)  # bases only: durable from the start on

@@ -166,25 +166,42 @@ def write_segment(
     f: BinaryIO, header: SegmentHeader, records: list[DiffRecord] | list[EncodedRecord]
 ) -> int:
     """Serialise a segment to ``f``; returns the bytes written. Any rank."""
-    head = dict(asdict(header))
-    head_json = json.dumps(head, sort_keys=True).encode()
-    written = f.write(_FILE_HEAD.pack(MAGIC, header.format_version, len(head_json)))
-    written += f.write(head_json)
-    written += f.write(_CRC.pack(crc32(head_json)))
+    written = f.write(encode_file_header(header))
     for rec in records:
-        written += f.write(rec.data) if isinstance(rec, EncodedRecord) else _write_record(f, rec)
+        written += f.write(rec.data) if isinstance(rec, EncodedRecord) else write_record(f, rec)
     return written
+
+
+def encode_file_header(header: SegmentHeader, size: int | None = None) -> bytes:
+    """The segment's file header; ``size``: exactly that many bytes, the JSON padded with
+    spaces (which a JSON reader skips), for a writer that put the records after a room of
+    that size before it knew the segment's last iteration. Raises ``ValueError`` when the
+    header does not fit in ``size``."""
+    head_json = json.dumps(dict(asdict(header)), sort_keys=True).encode()
+    if size is not None:
+        room = size - _FILE_HEAD.size - _CRC.size
+        if len(head_json) > room:
+            raise ValueError(f"a segment header of {len(head_json)} bytes exceeds {room}")
+        head_json += b" " * (room - len(head_json))
+    head = _FILE_HEAD.pack(MAGIC, header.format_version, len(head_json))
+    return head + head_json + _CRC.pack(crc32(head_json))
 
 
 def encode_record(rec: DiffRecord) -> bytes:
     """``rec`` as a segment holds it (header, JSON, payload, checksum): what the node's keeper
     holds; :func:`iter_records` reads such records back."""
     buf = io.BytesIO()
-    _write_record(buf, rec)
+    write_record(buf, rec)
     return buf.getvalue()
 
 
-def _write_record(f: BinaryIO, rec: DiffRecord) -> int:
+_CRC_CHUNK = 256 << 10
+"""Payload bytes checksummed, then written, at a time: the write reads them from the cache the
+checksum left them in, so the payload crosses memory once, not twice."""
+
+
+def write_record(f: BinaryIO, rec: DiffRecord) -> int:
+    """Serialise one record to ``f`` (what :func:`encode_record` returns); the bytes written."""
     descs, views, offset = [], [], 0
     for name, t in rec.tensors.items():
         if t.dtype not in _DTYPE_NAMES:
@@ -206,8 +223,10 @@ def _write_record(f: BinaryIO, rec: DiffRecord) -> int:
     crc = crc32(meta, crc32(head))
     n = f.write(head) + f.write(meta)
     for view in views:
-        crc = crc32(view, crc)
-        n += f.write(view)
+        for start in range(0, view.nbytes, _CRC_CHUNK):
+            with view[start : start + _CRC_CHUNK] as piece:
+                crc = crc32(piece, crc)
+                n += f.write(piece)
     return n + f.write(_CRC.pack(crc))
 
 

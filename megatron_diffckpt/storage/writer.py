@@ -28,12 +28,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron_diffckpt import failpoints
 from megatron_diffckpt.background import BackgroundWorker
-from megatron_diffckpt.durable_io import StagedPublisher, publish_file
+from megatron_diffckpt.durable_io import StagedPublisher, StagingBuffer, publish_file
 from megatron_diffckpt.errors import DiffCkptError
 from megatron_diffckpt.out_of_space import FULL_ERRNOS, StorageFullError
 from megatron_diffckpt.storage.format import (
@@ -41,7 +41,9 @@ from megatron_diffckpt.storage.format import (
     EncodedRecord,
     SegmentHeader,
     SegmentIdentity,
+    encode_file_header,
     segment_filename,
+    write_record,
     write_segment,
 )
 
@@ -78,6 +80,32 @@ class SegmentSample:
     """Serialising and writing the bytes."""
     sync_s: float
     """fsync, rename and folder fsync: the fixed cost of a write."""
+
+
+STAGED_HEADER_BYTES = 1024
+"""With ``serialise_at_append``: the room a segment's staging buffer keeps for its file header
+before the records (the header's JSON padded to fill it; it needs about 300 bytes)."""
+
+
+@dataclass
+class _Batch:
+    """One segment's records: as handed over (``records``) or, with ``serialise_at_append``,
+    serialised into ``staged`` after :data:`STAGED_HEADER_BYTES` for the file header."""
+
+    iterations: list[int] = field(default_factory=list)
+    records: list[DiffRecord | EncodedRecord] = field(default_factory=list)
+    staged: StagingBuffer | None = None
+
+    def __len__(self) -> int:
+        return len(self.iterations)
+
+    @property
+    def first(self) -> int:
+        return self.iterations[0]
+
+    @property
+    def last(self) -> int:
+        return self.iterations[-1]
 
 
 OWNER_FILE = "owner"
@@ -120,6 +148,14 @@ class DiffLogWriter:
             (:class:`~megatron_diffckpt.durable_io.StagedPublisher`; ``False``: through the page
             cache). Either way the writer holds one page-aligned staging buffer of the largest
             segment's size.
+        serialise_at_append: :meth:`append` serialises the record into its segment's staging
+            buffer at once, in the caller's thread (the one copy of its bytes, checksummed on
+            the way), so the caller may change the record's tensors once it returns: for a
+            caller that would otherwise copy them to hand them over (LowDiff+'s merger, which
+            gives the snapshot slot they lie in back). The writer thread then only writes. A
+            segment keeps :data:`STAGED_HEADER_BYTES` for its header (the JSON padded); up to
+            ``max_pending + 2`` staging buffers (filled, waiting, being written), each of the
+            largest segment's size, in place of the records the other way holds.
     """
 
     SLOW_AFTER_S = 0.01
@@ -138,6 +174,7 @@ class DiffLogWriter:
         sink: RecordSink | None = None,
         direct_io: bool = True,
         durable_from: int | None = None,
+        serialise_at_append: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -151,6 +188,11 @@ class DiffLogWriter:
         self.max_pending = max_pending
         self.when_full = when_full
         self.direct_io = direct_io
+        self.serialise_at_append = serialise_at_append
+        if serialise_at_append:  # raises now if a header can never fit its room
+            most = 2**63 - 1
+            encode_file_header(SegmentHeader(identity, compressor, most, most, most),
+                               STAGED_HEADER_BYTES)  # fmt: skip
         self.slow_hint = slow_hint
         self.sink = sink
         self._slow_warned = False
@@ -159,7 +201,8 @@ class DiffLogWriter:
         self._token = uuid.uuid4().hex
         publish_file(os.path.join(self.dir, OWNER_FILE), lambda f: f.write(self._token.encode()))
         self.stats = WriterStats()
-        self._batch: list[DiffRecord | EncodedRecord] = []
+        self._batch = _Batch()
+        self._spare: list[StagingBuffer] = []  # of batches written or dropped, for the next ones
         self._lock = threading.Lock()
         self._durable_moved = threading.Condition(self._lock)
         self._next_iteration = chain_start + 1
@@ -188,9 +231,12 @@ class DiffLogWriter:
         once at most ``batch_size`` iterations up to it are not durable."""
         self._raise_background_error()
         self._advance(record.iteration)
-        if self.sink is not None:
-            self.sink.put(record)
-        self._add(record)
+        if self.serialise_at_append:  # the sink gets the serialised bytes, not encoded twice
+            self._stage(record, self.sink)
+        else:
+            if self.sink is not None:
+                self.sink.put(record)
+            self._add(record)
         if self.when_full == "strict":
             self.wait_durable(record.iteration - self.batch_size)
 
@@ -226,8 +272,32 @@ class DiffLogWriter:
 
     def _add(self, record: DiffRecord | EncodedRecord) -> None:
         """Batch ``record``; a full batch goes to the background thread."""
-        self._batch.append(record)
+        if self.serialise_at_append:
+            self._stage(record, None)
+            return
+        self._batch.records.append(record)
+        self._batch.iterations.append(record.iteration)
         if len(self._batch) >= self.batch_size:
+            self._submit()
+
+    def _stage(self, record: DiffRecord | EncodedRecord, sink: RecordSink | None) -> None:
+        """:meth:`_add` with ``serialise_at_append``: the record's bytes into the batch's
+        staging buffer, then, as they lie there, to ``sink``."""
+        batch = self._batch
+        if batch.staged is None:
+            batch.staged = self._spare.pop() if self._spare else StagingBuffer()
+            batch.staged.reset()
+            batch.staged.write(bytes(STAGED_HEADER_BYTES))
+        start = batch.staged.tell()
+        if isinstance(record, EncodedRecord):
+            batch.staged.write(record.data)
+        else:
+            write_record(batch.staged, record)
+        if sink is not None:
+            with batch.staged.view(start, batch.staged.tell()) as data:
+                sink.put(EncodedRecord(record.iteration, data))
+        batch.iterations.append(record.iteration)
+        if len(batch) >= self.batch_size:
             self._submit()
 
     @property
@@ -293,20 +363,24 @@ class DiffLogWriter:
         finally:
             self._worker.stop()
             self._publisher.close()
+            for staged in self._spare:
+                staged.close()
+            self._spare.clear()
 
     # -- internals ---------------------------------------------------------------------------
 
     def _submit(self, force_block: bool = False) -> None:
-        batch, self._batch = self._batch, []
+        batch, self._batch = self._batch, _Batch()
         if self.when_full == "skip" and not force_block:
             if not self._worker.put(batch, block=False):
+                self._give_back(batch)
                 self.stats.skipped_records += len(batch)
                 logger.warning(
                     "diff log %s: storage fell behind, iterations %d-%d were NOT written; "
                     "durability stays at iteration %d until the next base",
                     self.identity.dirname(),
-                    batch[0].iteration,
-                    batch[-1].iteration,
+                    batch.first,
+                    batch.last,
                     self.durable_iteration,
                 )
             return
@@ -354,21 +428,27 @@ class DiffLogWriter:
                 f"is {self.durable_iteration}"
             ) from self._worker.error
 
-    def _storage_full(self, batch: list[DiffRecord | EncodedRecord], exc: OSError) -> None:
+    def _give_back(self, batch: _Batch) -> None:
+        """``batch`` is written or dropped: its staging buffer serves a later one."""
+        if batch.staged is not None:
+            self._spare.append(batch.staged)
+            batch.staged = None
+
+    def _storage_full(self, batch: _Batch, exc: OSError) -> None:
         """A segment did not fit: stop (block) or drop it with one warning per incident."""
         what = f"{self.dir}: {os.strerror(exc.errno)}"
         if self.when_full != "skip":
             raise StorageFullError(f"the diff log cannot be written, {what}") from exc
         self.stats.skipped_records += len(batch)
         if self._full_since is None:
-            self._full_since = batch[0].iteration
+            self._full_since = batch.first
             logger.warning(
                 "diff log %s: storage is full (%s): iterations from %d on are NOT written until "
                 "it has space again; durability stays at iteration %d until then and the next "
                 "base (--diffckpt-when-full skip)",
                 self.identity.dirname(),
                 what,
-                batch[0].iteration,
+                batch.first,
                 self.durable_iteration,
             )
 
@@ -388,16 +468,17 @@ class DiffLogWriter:
         if not isinstance(exc, StorageFullError):  # raised in its own line, with what to do
             logger.error("diff log writer of %s failed: %s", self.identity.dirname(), exc)
 
-    def _write(self, batch: list[DiffRecord | EncodedRecord]) -> None:
+    def _write(self, batch: _Batch) -> None:
         cpu = time.thread_time()
         try:
             self._write_segment(batch)
         finally:
             self.stats.cpu_seconds += time.thread_time() - cpu
+            self._give_back(batch)
 
-    def _write_segment(self, batch: list[DiffRecord | EncodedRecord]) -> None:
+    def _write_segment(self, batch: _Batch) -> None:
         start = time.perf_counter()
-        first, last = batch[0].iteration, batch[-1].iteration
+        first, last = batch.first, batch.last
         header = SegmentHeader(self.identity, self.compressor, first, last, len(batch))
         final = os.path.join(self.dir, segment_filename(first, last))
         self._check_owner()
@@ -408,7 +489,14 @@ class DiffLogWriter:
             failpoints.reach("segment-write")  # written, neither fsynced nor published
 
         try:
-            n = self._publisher.publish(final, lambda f: write_segment(f, header, batch), written)
+            if batch.staged is not None:
+                batch.staged.overwrite(0, encode_file_header(header, STAGED_HEADER_BYTES))
+                self._publisher.publish_staged(final, batch.staged, written)
+                n = batch.staged.tell()
+            else:
+                records = batch.records
+                n = self._publisher.publish(final, lambda f: write_segment(f, header, records),
+                                            written)  # fmt: skip
         except OSError as exc:
             if exc.errno not in FULL_ERRNOS:
                 raise

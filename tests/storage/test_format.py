@@ -14,6 +14,8 @@ from megatron_diffckpt.storage.format import (
     DiffRecord,
     SegmentHeader,
     SegmentIdentity,
+    encode_file_header,
+    encode_record,
     iter_records,
     read_header,
     write_segment,
@@ -134,6 +136,25 @@ def test_header_json_is_plain_data():
     (n,) = struct.unpack_from("<I", data, 10)
     doc = json.loads(data[14 : 14 + n])
     assert doc["identity"]["layout_hash"] == "abc123" and doc["format_version"] == 1
+
+
+def test_a_header_padded_to_its_room_reads_as_the_plain_one():
+    """A writer that serialised the records after a room for the header (the diff log writer
+    with ``serialise_at_append``) fills it exactly: the padded header reads back the same, the
+    records follow it, and a header that cannot fit is refused, not cut."""
+    records = _records(5, 2)
+    header = SegmentHeader(IDENTITY, "none", 5, 6, 2)
+    padded = encode_file_header(header, 1024)
+    assert len(padded) == 1024 and len(encode_file_header(header)) < 1024
+    back_header, back = _read(padded + b"".join(encode_record(r) for r in records))
+    assert back_header == header and [r.iteration for r in back] == [5, 6]
+    assert torch.equal(back[1].tensors["values"], records[1].tensors["values"])
+    damaged = bytearray(padded)
+    damaged[1000] = ord("x")  # the padding is under the header's checksum too
+    with pytest.raises(DiffLogFormatError):
+        read_header(io.BytesIO(bytes(damaged)))
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_file_header(header, 100)
 
 
 def test_the_checksum_is_zlib_ngs_and_either_crc_reads_what_the_other_wrote(monkeypatch):

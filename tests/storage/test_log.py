@@ -27,6 +27,7 @@ from megatron_diffckpt.storage import (
     scan_rank_log,
 )
 from megatron_diffckpt.storage import writer as writer_module
+from megatron_diffckpt.storage.format import EncodedRecord, encode_record, read_header
 from megatron_diffckpt.storage.writer import OWNER_FILE
 
 IDENTITY = SegmentIdentity("run-a", 0, 0, 1, "layout-1")
@@ -398,3 +399,112 @@ def test_strict_keeps_the_log_within_b_iterations_of_training_on_storage_slower_
         assert w.stats.blocked_seconds > 0
     else:  # the storage is slower than training: the lag grows past B
         assert max(lags) > 2, lags
+
+
+class _CopyingSink:
+    """A sink that keeps a copy of the bytes of each record it is handed (what the node's
+    keeper holds)."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[int, bytes]] = []
+        self.held_iteration = None
+
+    def put(self, record) -> None:
+        data = record.data if isinstance(record, EncodedRecord) else encode_record(record)
+        self.held.append((record.iteration, bytes(data)))
+        self.held_iteration = record.iteration
+
+    def published(self, base_iteration: int) -> None:
+        pass
+
+
+def test_serialised_at_append_the_caller_may_reuse_its_tensors_at_once(tmp_path):
+    """LowDiff+'s merger gives the snapshot slot its record's gradients lie in back once
+    ``append`` returns: the writer serialised them by then (segments read back equal to what
+    was appended, though every appended tensor was overwritten right after), the sink got the
+    record's bytes as the segment holds them, and the segments' records are byte for byte the
+    ones the copying writer writes (only the header's JSON is padded to its room)."""
+    sink = _CopyingSink()
+    staged = DiffLogWriter(str(tmp_path / "staged"), IDENTITY, "none", batch_size=3,
+                           sink=sink, serialise_at_append=True)  # fmt: skip
+    for it in range(1, 8):
+        rec = _record(it, numel=100_000)
+        staged.append(rec)
+        rec.tensors["grad"].fill_(float("nan"))  # the slot, reused
+    staged.close()
+    copied = DiffLogWriter(str(tmp_path / "copied"), IDENTITY, "none", batch_size=3)
+    for it in range(1, 8):
+        copied.append(_record(it, numel=100_000))
+    copied.close()
+    assert _segments(tmp_path / "staged") == _segments(tmp_path / "copied")
+    scan = scan_rank_log(str(_rank_dir(tmp_path / "staged")), IDENTITY, start=0)
+    assert scan.problems == [] and [r.iteration for r in scan.records] == list(range(1, 8))
+    for rec in scan.records:
+        assert torch.equal(rec.tensors["grad"], _record(rec.iteration, 100_000).tensors["grad"])
+    assert sink.held == [(it, encode_record(_record(it, 100_000))) for it in range(1, 8)]
+    for name in _segments(tmp_path / "staged"):
+        a = (_rank_dir(tmp_path / "staged") / name).read_bytes()
+        b = (_rank_dir(tmp_path / "copied") / name).read_bytes()
+        with open(_rank_dir(tmp_path / "copied") / name, "rb") as f:
+            read_header(f)
+            header_end = f.tell()
+        assert a[writer_module.STAGED_HEADER_BYTES :] == b[header_end:]
+        with open(_rank_dir(tmp_path / "staged") / name, "rb") as f:
+            assert read_header(f).first_iteration == int(name[4:14])
+            assert f.tell() == writer_module.STAGED_HEADER_BYTES
+    assert staged.stats.records == 7 and staged.stats.bytes_written == sum(
+        (_rank_dir(tmp_path / "staged") / n).stat().st_size for n in _segments(tmp_path / "staged")
+    )
+
+
+def test_serialised_at_append_a_full_disk_or_a_dropped_batch_loses_only_that_batch(
+    tmp_path, monkeypatch, caplog
+):
+    """With ``serialise_at_append`` the policies hold as with copies: a batch dropped for a
+    writer behind is said, a segment refused for a full disk is skipped with one warning, and
+    their staging buffers serve later batches (at most ``max_pending + 2`` are made)."""
+    publish = writer_module.StagedPublisher.publish_staged
+    stall = threading.Event()
+
+    def full_or_slow(self, path, staging, written=None):
+        stall.wait()
+        if os.path.basename(path).startswith("seg_0000000007_"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return publish(self, path, staging, written)
+
+    monkeypatch.setattr(writer_module.StagedPublisher, "publish_staged", full_or_slow)
+    made = []
+    original = writer_module.StagingBuffer.__init__
+    monkeypatch.setattr(writer_module.StagingBuffer, "__init__",
+                        lambda self: (made.append(self), original(self))[-1])  # fmt: skip
+    w = DiffLogWriter(str(tmp_path), IDENTITY, "none", batch_size=1, max_pending=1,
+                      when_full="skip", serialise_at_append=True)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        w.append(_record(1))
+        deadline = time.monotonic() + 30
+        while w.backlog and time.monotonic() < deadline:  # the writer thread holds it
+            time.sleep(0.01)
+        for it in range(2, 6):  # 2 queued, 3-5 dropped
+            w.append(_record(it))
+        stall.set()
+        w.flush()
+        for it in range(6, 13):
+            w.append(_record(it))
+            w.flush()
+        w.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "fell behind" in m] == [
+        f"diff log rank_0_0_1: storage fell behind, iterations {it}-{it} were NOT written; "
+        "durability stays at iteration 0 until the next base"
+        for it in (3, 4, 5)
+    ], messages
+    full = [m for m in messages if "storage is full" in m]
+    assert len(full) == 1 and "iterations from 7 on are NOT written" in full[0], messages
+    # the publisher's own (never written to here), and max_pending + 2 for the batches
+    assert w.stats.skipped_records == 4 and len(made) <= 1 + 3
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=0)
+    assert [r.iteration for r in scan.records] == [1, 2]
+    scan = scan_rank_log(str(_rank_dir(tmp_path)), IDENTITY, start=7)
+    assert [r.iteration for r in scan.records] == list(range(8, 13))
+    for rec in scan.records:
+        assert torch.equal(rec.tensors["grad"], _record(rec.iteration).tensors["grad"])
