@@ -39,9 +39,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -107,10 +109,29 @@ def current() -> JobControl | None:
     return _CURRENT
 
 
+_PEER_GONE = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|remote process exited"
+)
+"""What a collective's error says when the process at the other end of a connection ended
+(gloo's TCP transport, NCCL's "remote process exited or there was a network error")."""
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+"""The ``[.../pair.cc:537]`` gloo puts before its messages."""
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank's process ended under it
+    (killed, or stopped by its own error): not this rank's fault, and no traceback of this
+    rank says anything about it."""
+    return isinstance(exc, RuntimeError) and _PEER_GONE.search(str(exc)) is not None
+
+
 def describe(exc: BaseException) -> str:
     """An exception in one line: its type and the first line of its text; for DCP's
     ``CheckpointException`` (megatron's report of a failed save), the first failed rank's
-    error that it carries."""
+    error that it carries; for a collective whose peer ended (:func:`peer_gone`), the
+    backend's words up to the cause (``Read error [10.0.0.2]:38784: Connection reset by
+    peer``), without its source location and advice."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, failure = min(failures.items(), key=lambda item: item[0])
@@ -118,7 +139,15 @@ def describe(exc: BaseException) -> str:
         if isinstance(inner, BaseException):
             return f"{type(exc).__name__} of rank {rank}: {describe(inner)}"
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    first = text[0]
+    if peer_gone(exc):
+        first = _SOURCE_PREFIX.sub("", first)
+        gone = _PEER_GONE.search(first)
+        if gone is not None:
+            first = first[: gone.end()]
+    return f"{type(exc).__name__}: {first}"
 
 
 class JobControl:
@@ -384,6 +413,32 @@ def ending() -> None:
         plane.claim()
 
 
+def end_rank(exc: BaseException, say: Callable[[str], None]) -> int:
+    """How a training entry ends this rank on ``exc``, the error its training raised (the last
+    ``except`` of its ``main``); returns the exit status. One line through ``say`` for what
+    the line tells whole: this library's errors (exit 2) and a collective whose peer's process
+    ended (:func:`peer_gone`, exit 1: the peer's own line, or the launcher's report of its
+    death, says why); any other error's traceback (exit 1). Then :func:`stop_others`. Any
+    rank."""
+    ending()  # unless the fault board stops this rank already
+    if isinstance(exc, DiffCkptError):  # a wrong resume, a full disk: what happened
+        say(f"error: {exc}")
+        status = 2
+    elif peer_gone(exc):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else "?"
+        say(
+            f"error: rank {rank}: another rank's process ended during a collective "
+            f"({describe(exc)}); the job stops (a restart with --load recovers)"
+        )
+        status = 1
+    else:  # not this library's: its traceback, and the others stop too
+        traceback.print_exception(exc)
+        sys.stderr.flush()
+        status = 1
+    stop_others(exc)  # said first: once this rank ends, the launcher stops the others
+    return status
+
+
 def stop_others(exc: BaseException) -> None:
     """A training entry's last word on an error that ends this rank, once it has printed it:
     unless the board holds a fault already, post ``rank R: failed: exc`` so that the other
@@ -394,6 +449,8 @@ def stop_others(exc: BaseException) -> None:
     if plane is None:
         return
     plane.claim()
-    if not isinstance(exc, JobFault):
+    if peer_gone(exc):
+        plane.post(f"rank {plane.rank}: lost a peer: {describe(exc)}; the job stops")
+    elif not isinstance(exc, JobFault):
         plane.post(f"rank {plane.rank}: failed: {describe(exc)}; the job stops")
     plane.linger()

@@ -9,11 +9,15 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
+import re
+import signal
 import socket
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -35,6 +39,9 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
     control.FAILED_WAIT_S = 2.0
     plane = JobControl.start(timeout_s=3.0)
     result: dict = {}
+    if scenario == "peer-killed":
+        _peer_killed(rank, out, plane)
+        return
     try:
         recovery.all_reduce_min([rank], what="first")
         if scenario == "late":
@@ -58,6 +65,22 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
         control.stop_others(exc)  # as a training entry does, once it printed the line
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     plane.close()
+
+
+def _peer_killed(rank: int, out: str, plane: JobControl) -> None:
+    """Rank 1 is SIGKILLed between two of training's own collectives; rank 0's second one
+    fails, and it ends as a training entry does (:func:`control.end_rank`)."""
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    said: list[str] = []
+    try:
+        dist.all_reduce(torch.ones(4))
+        result = {"error": None}
+    except RuntimeError as exc:
+        status = control.end_rank(exc, said.append)
+        result = {"status": status, "said": said, "posted": plane.posted(), "raw": str(exc)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def _run(tmp_path: Path, scenario: str) -> tuple[list[dict | None], list[int], list[str]]:
@@ -119,3 +142,23 @@ def test_a_failed_rank_whose_peer_waits_elsewhere_stops_the_job(tmp_path):
     )
     assert r0 == {"fault": line} and r1 is None and codes == [0, FAULT_EXIT], (r0, r1, codes)
     assert logs[1].strip().splitlines() == [f"stopping: {line}"]
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_peer_was_killed_says_so_in_one_line(tmp_path):
+    """Rank 1 SIGKILLed between two of training's all-reduces: rank 0's fails in gloo (a
+    connection reset or closed by the peer), and the training entries' ending says so in one
+    line (no traceback), without gloo's source location and advice, posts it for any other
+    rank, and exits 1."""
+    (r0, r1), codes, _ = _run(tmp_path, "peer-killed")
+    assert r1 is None and codes[1] == -signal.SIGKILL, (r1, codes)
+    assert r0["status"] == 1 and len(r0["said"]) == 1, r0
+    cause = r"RuntimeError: [^();]*Connection (reset|closed) by peer"
+    line = r0["said"][0]
+    assert re.fullmatch(
+        rf"error: rank 0: another rank's process ended during a collective \({cause}\); "
+        r"the job stops \(a restart with --load recovers\)",
+        line,
+    ), (line, r0["raw"])
+    assert "pair.cc" in r0["raw"] and "pair.cc" not in line  # gloo's words, trimmed
+    assert re.fullmatch(rf"rank 0: lost a peer: {cause}; the job stops", r0["posted"]), r0

@@ -751,6 +751,27 @@ def test_a_write_refused_on_one_rank_stops_megatron_lms_loop_in_one_line_per_ran
 
 
 @pytest.mark.distributed
+def test_a_rank_killed_mid_training_leaves_its_peer_in_megatron_lms_loop_one_line(
+    tmp_path, straight_runs
+):
+    """Megatron-LM's loop, LowDiff (TP 2) under the launcher with one torchrun restart: rank 1
+    SIGKILLed from outside after iteration 7. Rank 0, whose next tensor-parallel collective
+    finds its peer gone inside Megatron-LM's training step, ends in one line (not gloo's
+    traceback); the restart recovers, and the final checkpoint equals the uninterrupted
+    run's."""
+    from test_faults import kill_a_rank_then_restart
+
+    gpt = [*GPT, *LAYOUTS["tp2-bf16"][0].split()]
+    straight, _ = straight_runs("tp2-bf16")
+    ckpt = tmp_path / "ckpt"
+    args = [*gpt, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "5"]
+    args += ["--diffckpt-mode", "lowdiff", "--train-iters", str(TOTAL)]
+    kill_a_rank_then_restart(args, script=SCRIPT)
+    final = f"iter_{TOTAL:07d}"
+    _assert_same_checkpoint(straight / final, ckpt / final, ckpt / "diffckpt")
+
+
+@pytest.mark.distributed
 def test_no_process_of_a_killed_job_with_asynchronous_saves_outlives_torchrun(tmp_path):
     """Megatron-LM's loop, LowDiff, asynchronous saves through Megatron-LM's persistent worker
     (megatron-core 0.19 forks it from ``multiprocessing``'s fork server, and forks its writer's

@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 import warnings
 from functools import partial
 
@@ -385,22 +384,12 @@ def _dump_dir(args, iteration: int) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize(args)
-    from megatron_diffckpt.control import ending, stop_others
-    from megatron_diffckpt.errors import DiffCkptError
+    from megatron_diffckpt.control import end_rank
 
     try:
         return train(args)
-    except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
-        ending()  # unless the fault board stops this rank already
-        logger.error("pretrain_gpt.py: error: %s", exc)
-        stop_others(exc)  # said first: once this rank ends, torchrun stops the others
-        return 2
-    except Exception as exc:  # not this library's: its traceback, and the others stop too
-        ending()
-        traceback.print_exc()
-        sys.stderr.flush()
-        stop_others(exc)
-        return 1
+    except Exception as exc:  # in one line where it tells all, else its traceback
+        return end_rank(exc, lambda line: logger.error("pretrain_gpt.py: %s", line))
 
 
 def train(args) -> int:

@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import sys
-import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -99,8 +98,7 @@ def main() -> None:
     sys.path.append(checkout)
     from importlib.metadata import version
 
-    from megatron_diffckpt.control import ending, stop_others
-    from megatron_diffckpt.errors import DiffCkptError
+    from megatron_diffckpt.control import end_rank
     from megatron_diffckpt.integrations import megatron_lm
     from megatron_diffckpt.patches import torch_adam_state
 
@@ -176,17 +174,8 @@ def main() -> None:
         if stop.code in (None, 0):
             megatron_lm.RUN.close()
         raise
-    except DiffCkptError as exc:  # a wrong resume, a full disk: what happened, in one line
-        ending()  # unless the fault board stops this rank already
-        _say(f"error: {exc}")
-        stop_others(exc)  # said first: once this rank ends, torchrun stops the others
-        sys.exit(2)
-    except Exception as exc:  # not this library's: its traceback, and the others stop too
-        ending()
-        traceback.print_exc()
-        sys.stderr.flush()
-        stop_others(exc)
-        sys.exit(1)
+    except Exception as exc:  # in one line where it tells all, else its traceback
+        sys.exit(end_rank(exc, _say))
     # On an error, a rank does not close: closing may be collective, and the other ranks may
     # never get there. What is durable stays durable; the writer's pending batch is lost.
     megatron_lm.RUN.close()
