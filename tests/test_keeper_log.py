@@ -199,3 +199,29 @@ def test_records_the_keeper_skips_are_said_in_the_ranks_log(keeper, tmp_path, tm
     assert writer.in_keeper and writer.stats.skipped_records > 0
     assert writer.durable_iteration < 19
     writer.close()
+
+
+def test_a_keeper_stopped_by_sigterm_writes_what_it_holds_and_leaves_nothing(tmp_path):
+    """Slurm's ``scancel`` (or a preemption) sends SIGTERM to every process of the job, the
+    keeper included, while a rank's part batch (9-11 of a batch of 8) is held only there: the
+    keeper writes it out, removes its shared-memory folder and socket, says so in one line and
+    exits 0."""
+    sock, shm = str(tmp_path / "keeper.sock"), tmp_path / "diffckpt-keeper-t"
+    proc = start_keeper(sock, "--shm-dir", str(shm))
+    root = tmp_path / "log"
+    writer = _writer(root, KeeperClient(sock, ME), 8)
+    for i in range(1, 12):
+        writer.append(record(i))
+    deadline = time.monotonic() + 30  # 1-8 written; 9-11 wait for a full batch, in the keeper
+    while scan_rank_log(str(root / ME.dirname()), ME, 0).last_iteration != 8:
+        assert time.monotonic() < deadline, sorted(os.listdir(root / ME.dirname()))
+        time.sleep(0.05)
+    assert shm.is_dir()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    said = proc.stderr.read().decode()
+    _assert_log_holds(root, 11)
+    assert not os.path.exists(sock) and not shm.exists()
+    assert "Traceback" not in said, said
+    stopped = [line for line in said.splitlines() if "SIGTERM" in line]
+    assert len(stopped) == 1 and "written out" in stopped[0], said

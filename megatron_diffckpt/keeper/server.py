@@ -41,7 +41,10 @@ keeper is a second copy, in memory, that a restart reads first. (With
   a LowDiff kept base (``base_copy_*``).
 
 Which processes call: the launcher starts and stops it; any rank's thread calls its own
-:class:`KeeperClient` (one connection per client, calls serialised on it).
+:class:`KeeperClient` (one connection per client, calls serialised on it). SIGTERM (Slurm's
+``scancel`` and preemption signal every process of the job) stops it as ``stop`` does: it
+writes out the diff logs it writes for ranks, removes its shared memory and socket, says so in
+one line and exits 0.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import socketserver
 import sys
@@ -475,6 +479,8 @@ def _serve(
     try:
         local.serve_forever(poll_interval=0.2)
     finally:
+        for server in servers[1:]:  # their loops run on threads (stopped already after ``stop``)
+            server.shutdown()
         for server in servers:
             server.close_connections()
             server.server_close()
@@ -487,6 +493,16 @@ def _serve(
         if os.path.exists(path):
             os.remove(path)
     return state
+
+
+class Terminated(Exception):
+    """The keeper process got SIGTERM: raised where its main thread is, to stop it as a
+    ``stop`` request does (the cleanup of :func:`serve` runs on the way out)."""
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one does not cut the cleanup short
+    raise Terminated(signal.Signals(signum).name)
 
 
 def _listening(path: str) -> bool:
@@ -548,7 +564,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers is not None:
         peers = {"folder": args.peers, "node": args.node, "nnodes": args.nnodes}
         peers["host"] = args.host
-    state = serve(args.socket, int(args.memory_mib * 2**20), peers=peers, shm=args.shm_dir)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        state = serve(args.socket, int(args.memory_mib * 2**20), peers=peers, shm=args.shm_dir)
+    except Terminated as stop:
+        logger.info(
+            "keeper: %s: stopped after %.0f s; the diff logs it wrote for ranks written out, its "
+            "shared memory and socket removed",
+            stop,
+            time.perf_counter() - started,
+        )
+        return 0
     s = state.stats()
     logger.info(
         "keeper: stopped after %.0f s, holding %d record(s) of %d rank(s), %.1f of %.1f MiB, "
