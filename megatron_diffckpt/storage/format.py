@@ -117,10 +117,12 @@ class DiffRecord:
 @dataclass(frozen=True)
 class EncodedRecord:
     """A record already in the diff log's encoding (:func:`encode_record`): what the node's
-    keeper holds, and writes into segments as it is (no decoding, no second checksum)."""
+    keeper holds, and writes into segments as it is (no decoding, no second checksum). A
+    ``memoryview`` ``data`` (a writer's staging buffer, handed to its sink) is valid only during
+    the call it is handed to."""
 
     iteration: int
-    data: bytes | bytearray
+    data: bytes | bytearray | memoryview
 
     @classmethod
     def of(cls, iteration: int, data: bytes | bytearray) -> EncodedRecord:
