@@ -121,8 +121,8 @@ _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
 
 def peer_gone(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because another rank's process ended under it
-    (killed, or stopped by its own error): not this rank's fault, and no traceback of this
-    rank says anything about it."""
+    (killed, or stopped by its own error), or the network between them failed: not this
+    rank's fault, and no traceback of this rank says anything about it."""
     return isinstance(exc, RuntimeError) and _PEER_GONE.search(str(exc)) is not None
 
 
@@ -427,8 +427,9 @@ def end_rank(exc: BaseException, say: Callable[[str], None]) -> int:
     elif peer_gone(exc):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else "?"
         say(
-            f"error: rank {rank}: another rank's process ended during a collective "
-            f"({describe(exc)}); the job stops (a restart with --load recovers)"
+            f"error: rank {rank}: lost its connection to another rank during a collective "
+            f"({describe(exc)}): that rank's process ended, or the network failed; the job "
+            "stops (a restart with --load recovers)"
         )
         status = 1
     else:  # not this library's: its traceback, and the others stop too

@@ -156,8 +156,9 @@ def test_a_rank_whose_peer_was_killed_says_so_in_one_line(tmp_path):
     cause = r"RuntimeError: [^();]*Connection (reset|closed) by peer"
     line = r0["said"][0]
     assert re.fullmatch(
-        rf"error: rank 0: another rank's process ended during a collective \({cause}\); "
-        r"the job stops \(a restart with --load recovers\)",
+        rf"error: rank 0: lost its connection to another rank during a collective \({cause}\): "
+        r"that rank's process ended, or the network failed; the job stops "
+        r"\(a restart with --load recovers\)",
         line,
     ), (line, r0["raw"])
     assert "pair.cc" in r0["raw"] and "pair.cc" not in line  # gloo's words, trimmed

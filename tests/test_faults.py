@@ -71,7 +71,7 @@ def stop_then_restart(
     return log
 
 
-PEER_GONE = re.compile(r"error: rank 0: another rank's process ended during a collective \(")
+PEER_GONE = re.compile(r"error: rank 0: lost its connection to another rank during a collective")
 
 
 def kill_a_rank_then_restart(args: list[str], script: Path = PRETRAIN_GPT) -> str:
