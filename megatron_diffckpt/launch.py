@@ -6,7 +6,9 @@ Usage (the launcher's own flags first, then torchrun's arguments as they are)::
     megatron-diffckpt-launch [--keeper-memory MIB [--keeper-peers DIR]] \
         --nproc-per-node 8 ... pretrain_gpt.py <Megatron flags> --diffckpt-mode lowdiff
 
-It runs ``python -m torch.distributed.run ARGS`` and returns its exit code; on Slurm ``srun``
+It runs ``python -m torch.distributed.run ARGS`` (through :mod:`megatron_diffckpt.torchrun`,
+which prints torchrun's report of failed ranks without a traceback) and returns its exit code;
+on Slurm ``srun``
 runs it once per node (``examples/gpt/slurm/pretrain_gpt.sbatch``). When a rank dies (a killed
 task, a failed node), torchrun ends, but processes the ranks started outlive them
 (megatron-core's checkpoint writer spawns a ``multiprocessing`` manager on first use, with a
@@ -281,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         keeper, env["DIFFCKPT_KEEPER"] = start_keeper(opts, argv, env)
         folders = [os.path.dirname(env["DIFFCKPT_KEEPER"]), shm_dir(env["DIFFCKPT_KEEPER"])]
     watchdog = start_watchdog(job, folders)
-    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env)
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "megatron_diffckpt.torchrun", *argv], env=env
+    )
 
     def forward(signum, _frame):  # scancel / preemption reach torchrun, which stops the ranks
         torchrun.send_signal(signum)

@@ -54,7 +54,12 @@ def _env() -> dict[str, str]:
 
 
 # In a rank's parent's command line: the launchers (the fork server's job leaders are forks of it).
-LAUNCHERS = ("torch.distributed.run", "rank_launcher.py", "fork_server.py")
+LAUNCHERS = (
+    "torch.distributed.run",
+    "megatron_diffckpt.torchrun",
+    "rank_launcher.py",
+    "fork_server.py",
+)
 _fork_server: dict[str, str] = {}  # "socket": the session's fork server, once started
 
 

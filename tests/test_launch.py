@@ -78,3 +78,25 @@ def test_the_console_script_shows_its_help_and_refuses_a_retired_flag():
     assert refused.stderr.strip().splitlines() == [
         "megatron-diffckpt-launch: --diffckpt-keeper-memory was retired; use --keeper-memory"
     ]
+
+
+@pytest.mark.distributed
+def test_a_job_whose_ranks_failed_ends_with_torchruns_report_and_no_traceback(tmp_path):
+    """Two ranks, rank 1 exits 3 and rank 0 is SIGKILLed, no restart: the launcher exits 1 with
+    torchrun's report (both ranks, rank 1's exit code, the root cause) and no traceback
+    through torchrun's own code."""
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "if os.environ['RANK'] == '1':\n    sys.exit(3)\n"
+        "time.sleep(0.2)\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run(
+        [str(LAUNCH), "--standalone", "--nproc-per-node", "2", "--max-restarts", "0", str(script)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "fails.py FAILED" in out and "Root Cause (first observed failure)" in out, out
+    assert "exitcode  : 3" in out, out
+    assert "Traceback" not in out, out

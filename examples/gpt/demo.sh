@@ -34,7 +34,7 @@ until grep -qE "iteration +$kill_at/" "$out/crashed.log" 2>/dev/null \
     kill -0 "$launcher" 2>/dev/null || { tail -30 "$out/crashed.log"; exit 1; }
     sleep 0.05
 done
-workers=($(pgrep -P "$(pgrep -P "$launcher" -f torch.distributed.run || echo "$launcher")" || true))
+workers=($(pgrep -P "$(pgrep -P "$launcher" -f "torch.distributed.run|megatron_diffckpt.torchrun" || echo "$launcher")" || true))
 [ "${#workers[@]}" -gt 0 ] || workers=($(pgrep -f "$here/pretrain_gpt.py" | grep -v "^$launcher$"))
 victim="${workers[$((RANDOM % ${#workers[@]}))]}"
 kill -9 "$victim"
