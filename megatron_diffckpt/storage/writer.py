@@ -231,12 +231,7 @@ class DiffLogWriter:
         once at most ``batch_size`` iterations up to it are not durable."""
         self._raise_background_error()
         self._advance(record.iteration)
-        if self.serialise_at_append:  # the sink gets the serialised bytes, not encoded twice
-            self._stage(record, self.sink)
-        else:
-            if self.sink is not None:
-                self.sink.put(record)
-            self._add(record)
+        self._add(record, self.sink)
         if self.when_full == "strict":
             self.wait_durable(record.iteration - self.batch_size)
 
@@ -270,19 +265,23 @@ class DiffLogWriter:
             )
         self._next_iteration += 1
 
-    def _add(self, record: DiffRecord | EncodedRecord) -> None:
-        """Batch ``record``; a full batch goes to the background thread."""
+    def _add(self, record: DiffRecord | EncodedRecord, sink: RecordSink | None = None) -> None:
+        """Batch ``record`` and hand it to ``sink`` (with ``serialise_at_append``, as its bytes
+        lie in the batch's staging buffer: not encoded twice); a full batch goes to the
+        background thread."""
         if self.serialise_at_append:
-            self._stage(record, None)
-            return
-        self._batch.records.append(record)
+            self._stage(record, sink)
+        else:
+            if sink is not None:
+                sink.put(record)
+            self._batch.records.append(record)
         self._batch.iterations.append(record.iteration)
         if len(self._batch) >= self.batch_size:
             self._submit()
 
     def _stage(self, record: DiffRecord | EncodedRecord, sink: RecordSink | None) -> None:
-        """:meth:`_add` with ``serialise_at_append``: the record's bytes into the batch's
-        staging buffer, then, as they lie there, to ``sink``."""
+        """The record's bytes into the batch's staging buffer, then, as they lie there, to
+        ``sink``."""
         batch = self._batch
         if batch.staged is None:
             batch.staged = self._spare.pop() if self._spare else StagingBuffer()
@@ -296,9 +295,6 @@ class DiffLogWriter:
         if sink is not None:
             with batch.staged.view(start, batch.staged.tell()) as data:
                 sink.put(EncodedRecord(record.iteration, data))
-        batch.iterations.append(record.iteration)
-        if len(batch) >= self.batch_size:
-            self._submit()
 
     @property
     def next_iteration(self) -> int:
