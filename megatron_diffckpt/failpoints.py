@@ -29,7 +29,10 @@ The points:
   (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger`, its thread);
 - ``keeper-merge``: the node's keeper is about to step a rank's LowDiff+ replica with an
   iteration (:class:`~megatron_diffckpt.keeper.hosted_replica.HostedReplica`); the keeper has
-  no rank: give no ``@RANK``, every replica it holds is slowed.
+  no rank: give no ``@RANK``, every replica it holds is slowed;
+- ``base-write``: LowDiff+'s persister is about to write a base from the replica (its thread,
+  before the files are written, here or by the node's keeper): the base is published that much
+  later while training goes on.
 
 The spec is ``NAME[:N][@RANK]`` (N defaults to 1; without ``@RANK`` every rank counts its own
 hits); the rank is the global one (``RANK``, as torchrun sets it). Unset, :func:`reach` costs one
@@ -67,7 +70,7 @@ _lock = threading.Lock()
 
 
 DELAY_ENV = "DIFFCKPT_DELAY"
-DELAYS = ("merge", "keeper-merge")
+DELAYS = ("merge", "keeper-merge", "base-write")
 _DELAY_SPEC = re.compile(r"(?P<name>[a-z-]+):(?P<s>\d+(?:\.\d+)?)(?:@(?P<rank>\d+))?")
 
 

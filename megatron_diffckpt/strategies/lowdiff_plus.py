@@ -316,6 +316,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
 
         def write_replica():
             lower_priority()
+            failpoints.delay("base-write")
             began = time.perf_counter()
             with self.cpu.measure("base gather"):
                 self.model_params.fill(copies)
