@@ -94,14 +94,29 @@ class GradShardCapture:
     def on_ready_grads(self, inner_index: int, torch_optimizer: torch.optim.Optimizer) -> None:
         """Take the gradients (copies, unless ``copy=False``) and hyper-parameters the torch
         optimizer is about to use."""
-        self._groups.update(step_hyperparameters(inner_index, torch_optimizer))
-        for g, group in enumerate(torch_optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                grad = p.grad if p.grad.device.type == "cpu" else p.grad.to("cpu")
-                for part, t in encode_grad(grad, self.copy).items():
-                    self._pending[f"{_name(inner_index, g, i)}:{part}"] = t
+        grads = {
+            (g, i): p.grad
+            for g, group in enumerate(torch_optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+            if p.grad is not None
+        }
+        self.on_grads(inner_index, step_hyperparameters(inner_index, torch_optimizer), grads)
+
+    def on_grads(
+        self,
+        inner_index: int,
+        hyperparameters: dict[str, list[float]],
+        grads: dict[tuple[int, int], torch.Tensor],
+    ) -> None:
+        """As :meth:`on_ready_grads`, from the step's input without an optimizer holding it:
+        the hyper-parameters (:func:`step_hyperparameters`; keys of other inner optimizers are
+        left out) and ``(group, index) -> gradient``, in the optimizer's order."""
+        mine = f"o{inner_index}.g"
+        self._groups.update({k: v for k, v in hyperparameters.items() if k.startswith(mine)})
+        for (g, i), grad in grads.items():
+            grad = grad if grad.device.type == "cpu" else grad.to("cpu")
+            for part, t in encode_grad(grad, self.copy).items():
+                self._pending[f"{_name(inner_index, g, i)}:{part}"] = t
 
     def take_record(
         self, iteration: int, scheduler_steps: int, consumed_samples: int, rng_tracker: Any

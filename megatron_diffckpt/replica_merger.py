@@ -18,11 +18,14 @@ fastest one, torch's fused CPU Adam (:func:`replica_kernel`), and is re-anchored
 device state (:meth:`ReplicaMerger.anchor`) at every persisted base; the drift between
 anchors is bounded in the tests.
 
-Optionally each merged step's optimizer input also goes to the diff log (a dense, exact
-differential), so that recovery can replay past the newest persisted base.
+Optionally each step's optimizer input also goes to the diff log (a dense, exact
+differential), so that recovery can replay past the newest persisted base. The log is written
+ahead of the merge, on a thread of its own, as soon as an iteration's snapshots have landed: a
+merger that falls behind (up to the snapshot slots) delays the replica, not durability.
 
 Threads: the training thread calls :meth:`submit`, :meth:`wait_merged`,
-:meth:`close`; the merger thread does the rest. A job is merged in submission order.
+:meth:`close`; the merger thread and the log thread do the rest. Each takes the jobs in
+submission order; the merger steps an iteration once the log thread has read its snapshots.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +95,13 @@ class MergeJob:
     """Not snapshotted (the merger was too far behind, ``max_merge_wait_ms``): the replica is
     not stepped with it, nor with any iteration until it is anchored again, and the diff log
     skips it."""
+    logged: threading.Event = field(default_factory=threading.Event)
+    """Set when the diff log is done reading the slot (or never will): the merger may change it."""
+    clipped_in_slot: bool = False
+    """The log thread multiplied the slot's fp32 gradients by the clipping coefficients in place
+    (as megatron does): the merger's input is ready there, not to be multiplied again."""
+    holders: int = 1
+    """Threads still to finish with the slot (the merger, and the log thread when one runs)."""
 
 
 def _host_copy(t: torch.Tensor, _name: str = "") -> torch.Tensor:
@@ -233,6 +243,7 @@ class QueuedMerges:
         self.merge_seconds = 0.0
         """Time spent merging, cumulative."""
         self._worker = BackgroundWorker(thread_name, handle, drop=drop, on_error=self._failed)
+        self._workers = [self._worker]  # in the order they are waited for and stopped
 
     def submit(self, job: MergeJob) -> None:
         """Queue ``job``; its slot is released once it is merged. The training thread."""
@@ -254,13 +265,18 @@ class QueuedMerges:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every queued job has been handled, at most ``timeout`` seconds
         (``None``: as long as it takes); whether they were."""
-        idle = self._worker.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        idle = True
+        for worker in self._workers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            idle = worker.join(left) and idle
         self._raise_background_error()
         return idle
 
     def close(self) -> None:
-        """Handle what is queued, then stop the thread."""
-        self._worker.stop()
+        """Handle what is queued, then stop the thread(s)."""
+        for worker in self._workers:
+            worker.stop()
         self._raise_background_error()
 
     def _set_merged(self, iteration: int) -> None:
@@ -268,8 +284,12 @@ class QueuedMerges:
             self._merged = iteration
             self._cond.notify_all()
 
+    @property
+    def _error(self) -> BaseException | None:
+        return next((w.error for w in self._workers if w.error is not None), None)
+
     def _raise_background_error(self) -> None:
-        error = self._worker.error
+        error = self._error
         if isinstance(error, StorageFullError):  # the diff log: stops training in its own words
             raise error
         if error is not None:
@@ -309,7 +329,29 @@ class ReplicaMerger(QueuedMerges):
         # the record's gradients need not be copied out of it first
         self.capture = GradShardCapture(copy=writer is None or not writer.serialise_at_append)
         self.optimizers: list[torch.optim.Optimizer | None] = []
-        super().__init__("diffckpt-merger", self._merge_job, self._drop)
+        self._holders = threading.Lock()
+        super().__init__("diffckpt-merger", self._merge_job, self._finish)
+        # the diff log, ahead of the merge: durability does not wait for the replica
+        self._log = (
+            None
+            if writer is None
+            else BackgroundWorker(
+                "diffckpt-log", self._log_job, drop=self._log_dropped, on_error=self._failed
+            )
+        )
+        if self._log is not None:
+            self._workers.insert(0, self._log)  # stopped first: the merger waits for it
+
+    def submit(self, job: MergeJob) -> None:
+        """Queue ``job`` for the log thread (when the diff log is on) and the merger; its slot
+        is released once both are done with it. The training thread."""
+        if self._log is None:
+            job.logged.set()
+        else:
+            job.holders = 2
+            self._raise_background_error()
+            self._log.put(job)
+        super().submit(job)
 
     # ----------------------------------------------------------------- training thread
     def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
@@ -323,10 +365,60 @@ class ReplicaMerger(QueuedMerges):
         """Block until ``iteration`` is merged; returns the seconds waited."""
         start = time.perf_counter()
         with self._cond:
-            while self._merged < iteration and self._worker.error is None:
+            while self._merged < iteration and self._error is None:
                 self._cond.wait(0.5)
         self._raise_background_error()
         return time.perf_counter() - start
+
+    def wait_logged(self) -> None:
+        """Block until every job submitted so far is in the diff log's writer (appended: the
+        writer makes it durable); at once without a diff log. The training thread."""
+        if self._log is not None:
+            self._log.join()
+        self._raise_background_error()
+
+    # ----------------------------------------------------------------- log thread
+    @torch.no_grad()
+    def _log_job(self, job: MergeJob) -> None:
+        try:
+            if not self._logs(job):
+                return
+            if job.dropped:
+                self.writer.skip(job.iteration)
+                return
+            if job.slot is not None:
+                job.slot.wait_ready()
+            with self.cpu.measure("diff log record"):
+                if not job.inputs.skipped:
+                    if job.slot is None:
+                        raise RuntimeError(f"iteration {job.iteration} stepped without snapshots")
+                    for i, grads in step_inputs(
+                        self.optimizers, self.layout, job.slot.buffers, job.slot.filled,
+                        job.inputs, job.iteration,
+                    ):  # fmt: skip
+                        self.capture.on_grads(i, job.inputs.groups, grads)
+                    job.clipped_in_slot = True
+                record = self.capture.build_record(
+                    job.iteration, job.scheduler_steps, job.consumed_samples, job.rng
+                )
+                self.writer.append(record)
+        finally:
+            job.logged.set()
+            self._finish(job)
+
+    def _log_dropped(self, job: MergeJob) -> None:
+        job.logged.set()
+        self._finish(job)
+
+    def _finish(self, item: MergeJob | AnchorJob) -> None:
+        """A thread is done with ``item``'s slot: the last one gives it back. Either thread."""
+        if not isinstance(item, MergeJob):
+            return
+        with self._holders:
+            item.holders -= 1
+            last = item.holders == 0
+        if last and item.slot is not None:
+            self.snapshotter.release(item.slot)
 
     # ----------------------------------------------------------------- merger thread
     def _merge_job(self, job: MergeJob | AnchorJob) -> None:
@@ -338,44 +430,66 @@ class ReplicaMerger(QueuedMerges):
         self.merge_seconds += time.perf_counter() - start
         self._set_merged(job.iteration)
 
-    def _drop(self, item: MergeJob | AnchorJob) -> None:
-        if isinstance(item, MergeJob) and item.slot is not None:
-            self.snapshotter.release(item.slot)
-
     @torch.no_grad()
     def _merge(self, job: MergeJob) -> None:
-        if job.dropped:
-            if self._logs(job):
-                self.writer.skip(job.iteration)
-            return
-        failpoints.delay("merge")
         try:
+            if job.dropped:
+                return
+            failpoints.delay("merge")
+            job.logged.wait()  # the log reads the slot first (and may clip it in place)
             if job.slot is not None:
                 job.slot.wait_ready()
             if not job.inputs.skipped:
                 if job.slot is None:
                     raise RuntimeError(f"iteration {job.iteration} stepped without snapshots")
-                self._step(job)
-            if self._logs(job):
-                with self.cpu.measure("diff log record"):
-                    record = self.capture.build_record(
-                        job.iteration, job.scheduler_steps, job.consumed_samples, job.rng
-                    )
-                    self.writer.append(record)
+                step_replica(
+                    self.optimizers, self.layout, job.slot.buffers, job.slot.filled, job.inputs,
+                    job.iteration, self.cpu, clipped=job.clipped_in_slot,
+                )  # fmt: skip
         finally:
-            if job.slot is not None:
-                self.snapshotter.release(job.slot)
+            self._finish(job)
 
     def _logs(self, job: MergeJob) -> bool:
         """Whether ``job`` goes to the diff log (a job without RNG states does not)."""
         return self.writer is not None and job.rng is not None
 
-    def _step(self, job: MergeJob) -> None:
-        on_input = (lambda i, opt: self.capture.on_ready_grads(i, opt)) if self._logs(job) else None
-        step_replica(
-            self.optimizers, self.layout, job.slot.buffers, job.slot.filled, job.inputs,
-            job.iteration, self.cpu, on_input,
-        )  # fmt: skip
+
+def step_inputs(
+    optimizers: list[torch.optim.Optimizer | None],
+    layout: ShardLayout,
+    buffers: dict[str, torch.Tensor],
+    filled: set[str],
+    inputs: StepInputs,
+    iteration: int,
+    clipped: bool = False,
+) -> Iterator[tuple[int, dict[tuple[int, int], torch.Tensor]]]:
+    """Each inner optimizer's exact step input, rebuilt from one iteration's snapshots
+    (``buffers``, of which the buckets ``filled`` were copied) and step inputs: ``(inner,
+    {(group, index): gradient})``, the gradient shaped as the parameter of ``optimizers`` it is
+    for, cast to fp32 as megatron casts it and multiplied by the clipping coefficient. Where
+    the snapshot is fp32 the product is written in place, into it, as megatron writes it
+    (``clipped``: that was done already, by an earlier reader). Any thread; the optimizers'
+    parameters are only read for their shapes."""
+    for i, opt in enumerate(optimizers):
+        if opt is None:
+            continue
+        coeff = inputs.clip_coeffs.get(i)
+        grads = {}
+        for g, group in enumerate(opt.param_groups):
+            for k, p in enumerate(group["params"]):
+                where = layout[i][g][k]
+                if where.bucket not in filled:
+                    raise RuntimeError(
+                        f"iteration {iteration}: bucket {where.bucket} was not "
+                        "snapshotted (its reduction never started)"
+                    )
+                raw = buffers[where.bucket][where.start : where.end].view(p.shape)
+                grad = raw.float()
+                if coeff is not None and not (clipped and grad is raw):
+                    # megatron: grads.copy_(grads * clip_coeff); the same products, in place
+                    grad.mul_(coeff)
+                grads[(g, k)] = grad
+        yield i, grads
 
 
 @torch.no_grad()
@@ -388,32 +502,26 @@ def step_replica(
     iteration: int,
     cpu: CpuMeter,
     on_input: Any = None,
+    clipped: bool = False,
 ) -> None:
     """Step the replica ``optimizers`` with one iteration's snapshots (``buffers``, of which the
-    buckets ``filled`` were copied) and step inputs: the exact input of the training step.
-    ``on_input(inner, optimizer)``, when given, sees each optimizer's input before its step (the
-    diff log's record). CPU time goes to ``cpu`` as ``"merge input"`` and ``"merge step"``."""
-    for i, opt in enumerate(optimizers):
-        if opt is None:
-            continue
+    buckets ``filled`` were copied) and step inputs: the exact input of the training step
+    (:func:`step_inputs`; ``clipped``: the fp32 gradients were multiplied by the clipping
+    coefficients in place already). ``on_input(inner, optimizer)``, when given, sees each
+    optimizer's input before its step (the keeper's diff log record). CPU time goes to ``cpu``
+    as ``"merge input"`` and ``"merge step"``."""
+    inputs_of = step_inputs(optimizers, layout, buffers, filled, inputs, iteration, clipped)
+    while True:
         with cpu.measure("merge input"):
-            coeff = inputs.clip_coeffs.get(i)
-            for g, group in enumerate(opt.param_groups):
-                group["lr"], group["weight_decay"] = inputs.groups[f"o{i}.g{g}"]
-                for k, p in enumerate(group["params"]):
-                    where = layout[i][g][k]
-                    if where.bucket not in filled:
-                        raise RuntimeError(
-                            f"iteration {iteration}: bucket {where.bucket} was not "
-                            "snapshotted (its reduction never started)"
-                        )
-                    grad = buffers[where.bucket][where.start : where.end].view(p.shape)
-                    grad = grad.float()
-                    if coeff is not None:
-                        # megatron: grads.copy_(grads * clip_coeff); in place here, the same
-                        # products, into the slot (the merge is its last reader)
-                        grad.mul_(coeff)
-                    p.grad = grad
+            got = next(inputs_of, None)
+        if got is None:
+            return
+        i, grads = got
+        opt = optimizers[i]
+        for g, group in enumerate(opt.param_groups):
+            group["lr"], group["weight_decay"] = inputs.groups[f"o{i}.g{g}"]
+            for k, p in enumerate(group["params"]):
+                p.grad = grads[(g, k)]
         if on_input is not None:
             with cpu.measure("diff log record"):
                 on_input(i, opt)

@@ -161,8 +161,9 @@ def test_the_shadow_goes_with_its_optimizer():
     own, blocked = _pair()
     _run(own, blocked, steps=1, block=256)
     assert blocked in blocked_adam._SHADOWS
+    held = len(blocked_adam._SHADOWS)  # other tests' optimizers may still be alive
     del blocked
     import gc
 
     gc.collect()
-    assert len([o for o in blocked_adam._SHADOWS if o is not own]) == 0
+    assert len(blocked_adam._SHADOWS) == held - 1

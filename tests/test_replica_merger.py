@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from megatron_diffckpt import failpoints
 from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, ReplicaMerger, StepInputs
 from megatron_diffckpt.snapshot import BucketSnapshotter
 from megatron_diffckpt.storage.format import SegmentIdentity
+from megatron_diffckpt.storage.reader import scan_rank_log
 from megatron_diffckpt.storage.writer import DiffLogWriter
 
 SHARDS = {"b0": (10, torch.float32), "b1": (6, torch.float32)}
@@ -54,14 +58,15 @@ def _fill_and_submit(snap, merger, iteration, buckets, inputs):
 
 
 def _train_step(opt, buckets, inputs):
-    """What megatron does: main grads are views of the reduced shard, scaled in place by the
-    clipping coefficient (``grads.copy_(grads * coeff)``), then the torch step."""
+    """What megatron does: main grads are views of the reduced shard (cast to fp32 when it is
+    not), scaled in place by the clipping coefficient (``grads.copy_(grads * coeff)``), then
+    the torch step."""
     coeff = inputs.clip_coeffs.get(0)
     for g, group in enumerate(opt.param_groups):
         group["lr"], group["weight_decay"] = inputs.groups[f"o0.g{g}"]
         for k, p in enumerate(group["params"]):
             where = LAYOUT[0][g][k]
-            grad = buckets[where.bucket][where.start : where.end].view(p.shape)
+            grad = buckets[where.bucket][where.start : where.end].view(p.shape).float()
             if coeff is not None:
                 grad.copy_(grad * coeff)
             p.grad = grad
@@ -147,6 +152,71 @@ def test_jobs_without_rng_states_are_merged_but_not_logged(tmp_path):
         for p_t, p_r in zip(training.param_groups[0]["params"], replica, strict=True):
             assert torch.equal(p_t, p_r)
     finally:
+        merger.close()
+        snap.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("serialise_at_append", [True, False], ids=["serialised", "copied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_diff_log_runs_ahead_of_a_merger_that_is_behind(
+    tmp_path, monkeypatch, dtype, serialise_at_append
+):
+    """The merger is held before its first step: the log thread still writes every iteration
+    handed over, each record the exact clipped optimizer input; let go, the merger steps the
+    replica bit for bit as training stepped (the log clipped fp32 snapshots in place first,
+    which the merger does not repeat; bf16 ones it casts and clips again)."""
+    held = threading.Event()
+    delay = failpoints.delay
+    monkeypatch.setattr(failpoints, "delay", lambda n: held.wait() if n == "merge" else delay(n))
+    identity = SegmentIdentity("run", 0, 0, 0, "l")
+    shards = {k: (n, dtype) for k, (n, _) in SHARDS.items()}
+    training = _training_optimizer()
+    snap = BucketSnapshotter(shards, slots=5)  # room for every iteration: the merger holds them
+    writer = DiffLogWriter(
+        str(tmp_path), identity, "none", 2, serialise_at_append=serialise_at_append
+    )
+    merger = ReplicaMerger(LAYOUT, snap, writer)
+    merger.anchor([training], iteration=0)
+    gen = torch.Generator().manual_seed(5)
+    expected = {}
+    try:
+        for it in range(1, 6):
+            buckets = {k: torch.randn(n, generator=gen).to(dtype) for k, (n, _) in shards.items()}
+            coeff = 0.37 if it % 2 else None
+            inputs = StepInputs(
+                groups={"o0.g0": [1e-2 / it, 0.1], "o0.g1": [1e-2 / it, 0.0]},
+                clip_coeffs={0: coeff} if coeff is not None else {},
+            )
+            for key, value in buckets.items():
+                snap.on_bucket_ready(key, value, None)
+            merger.submit(MergeJob(it, snap.finish_iteration(it), inputs, it, 0, ({}, {})))
+            expected[it] = {
+                f"o0.g{g}.p{k}:dense": buckets[w.bucket][w.start : w.end].float()
+                * (coeff if coeff is not None else 1.0)
+                for g, group in enumerate(LAYOUT[0])
+                for k, w in enumerate(group)
+            }
+            _train_step(training, buckets, inputs)
+        merger.wait_logged()
+        assert writer.flush() == 5  # every iteration durable...
+        assert merger.merged_iteration == 0  # ...while the merger has stepped none
+        scan = scan_rank_log(writer.dir, identity, 0)
+        assert [r.iteration for r in scan.records] == [1, 2, 3, 4, 5]
+        for record in scan.records:
+            assert record.scalars["groups"]["o0.g0"] == [1e-2 / record.iteration, 0.1]
+            for name, want in expected[record.iteration].items():
+                assert torch.equal(record.tensors[name], want), (record.iteration, name)
+        held.set()
+        merger.wait_merged(5)
+        replica = merger.optimizers[0]
+        for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
+            for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):
+                assert torch.equal(p_t, p_r)
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
+    finally:
+        held.set()
         merger.close()
         snap.close()
         writer.close()
