@@ -88,11 +88,12 @@ class DiffCkptOptions:
     max_merge_wait_ms: int = 0
     """lowdiff-plus: how long training may wait, in one iteration, for its merger to free a
     snapshot slot. Past that, LowDiff+ stops merging until the next base instead of slowing
-    training to the merger's pace: the iterations in between are neither merged nor logged
-    (durability waits for that base, as under --diffckpt-when-full skip), and the base is
-    staged from the training state. 0: wait as long as it takes (every iteration merged and
-    logged). With the replica in the node's keeper, the wait bounded is the hand-over of the
-    previous iteration (which waits for the keeper's merge)."""
+    training to the merger's pace: the iterations in between are not merged, but logged as
+    ever (the diff log is written ahead of the merge), and the base is staged from the training
+    state. 0: wait as long as it takes (every iteration merged). With the replica in the node's
+    keeper, the wait bounded is the hand-over of the previous iteration (which waits for the
+    keeper's merge), and the iterations in between are neither merged nor logged (durability
+    waits for that base, as under --diffckpt-when-full skip)."""
 
     def __post_init__(self) -> None:
         for name in ("max_pending", "host_memory_budget", "retune_interval", "collective_timeout"):
@@ -282,12 +283,6 @@ class DiffCkptConfig:
                 "--diffckpt-option keeper_replica=true is for lowdiff-plus without "
                 "--diffckpt-auto-tune (the keeper writes the diff log; the tuner measures the "
                 "ranks' writer)"
-            )
-        if o.max_merge_wait_ms and self.when_full == "strict":
-            return (
-                "--diffckpt-option max_merge_wait_ms lets LowDiff+ leave iterations unlogged "
-                "until the next base; --diffckpt-when-full strict keeps every one within B of "
-                "storage: choose one"
             )
         if o.max_merge_wait_ms and not plus:
             return "--diffckpt-option max_merge_wait_ms is for --diffckpt-mode lowdiff-plus"

@@ -102,6 +102,12 @@ class MergeJob:
     (as megatron does): the merger's input is ready there, not to be multiplied again."""
     holders: int = 1
     """Threads still to finish with the slot (the merger, and the log thread when one runs)."""
+    merge_claimed: bool = False
+    """The merger's hold on the slot was taken: by the merger (to merge or skip it), or let go
+    of by another thread because the job is skipped (:meth:`ReplicaMerger.skip_merges`)."""
+    anchor_skips: int = 0
+    """:meth:`ReplicaMerger.skip_merges` calls made before the newest anchor queued ahead of
+    this job: the job is skipped when there were more by the time it is merged."""
 
 
 def _host_copy(t: torch.Tensor, _name: str = "") -> torch.Tensor:
@@ -329,8 +335,11 @@ class ReplicaMerger(QueuedMerges):
         # the record's gradients need not be copied out of it first
         self.capture = GradShardCapture(copy=writer is None or not writer.serialise_at_append)
         self.optimizers: list[torch.optim.Optimizer | None] = []
-        self._holders = threading.Lock()
-        super().__init__("diffckpt-merger", self._merge_job, self._finish)
+        self._skips = 0  # skip_merges calls (the training thread)
+        self._anchor_skips = 0  # of them, those before the newest anchor queued
+        self._holders = threading.Lock()  # the jobs' holders and claims, and _queued
+        self._queued: dict[int, MergeJob] = {}  # jobs whose merger's hold is not yet taken
+        super().__init__("diffckpt-merger", self._merge_job, self._merge_dropped)
         # the diff log, ahead of the merge: durability does not wait for the replica
         self._log = (
             None
@@ -345,6 +354,9 @@ class ReplicaMerger(QueuedMerges):
     def submit(self, job: MergeJob) -> None:
         """Queue ``job`` for the log thread (when the diff log is on) and the merger; its slot
         is released once both are done with it. The training thread."""
+        job.anchor_skips = self._anchor_skips
+        with self._holders:
+            self._queued[id(job)] = job
         if self._log is None:
             job.logged.set()
         else:
@@ -369,6 +381,27 @@ class ReplicaMerger(QueuedMerges):
                 self._cond.wait(0.5)
         self._raise_background_error()
         return time.perf_counter() - start
+
+    def skip_merges(self) -> int | None:
+        """Step the replica with no more iterations, those queued included, until the next
+        anchor queued after this call (:meth:`anchor_queued`): their slots go back as soon as
+        the diff log has read them (those it has read already: now), so training goes at the
+        log's pace and every iteration is still logged. Returns the first iteration skipped
+        (``None``: none was queued; the next one submitted is). The training thread, when no
+        slot came within the bound on its wait (``max_merge_wait_ms``)."""
+        self._skips += 1
+        with self._holders:
+            queued = list(self._queued.values())
+        for job in queued:
+            if job.logged.is_set() and self._claim_merge(job):
+                self._finish(job)
+        return min((job.iteration for job in queued), default=None)
+
+    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        """As :meth:`QueuedMerges.anchor_queued`; the iterations submitted after it are merged
+        again (an earlier :meth:`skip_merges` ends here). The training thread."""
+        self._anchor_skips = self._skips
+        super().anchor_queued(sources, iteration)
 
     def wait_logged(self) -> None:
         """Block until every job submitted so far is in the diff log's writer (appended: the
@@ -403,22 +436,39 @@ class ReplicaMerger(QueuedMerges):
                 )
                 self.writer.append(record)
         finally:
-            job.logged.set()
-            self._finish(job)
+            self._log_dropped(job)
 
     def _log_dropped(self, job: MergeJob) -> None:
         job.logged.set()
         self._finish(job)
+        if self._skipped(job) and self._claim_merge(job):  # nothing for the merger to do
+            self._finish(job)
 
-    def _finish(self, item: MergeJob | AnchorJob) -> None:
-        """A thread is done with ``item``'s slot: the last one gives it back. Either thread."""
-        if not isinstance(item, MergeJob):
-            return
+    def _skipped(self, job: MergeJob) -> bool:
+        """``job`` is not merged: not snapshotted, or :meth:`skip_merges` was called since the
+        anchor before it. Any thread."""
+        return job.dropped or self._skips > job.anchor_skips
+
+    def _claim_merge(self, job: MergeJob) -> bool:
+        """Take the merger's hold on ``job``; ``False`` when it was taken already. Any thread."""
         with self._holders:
-            item.holders -= 1
-            last = item.holders == 0
-        if last and item.slot is not None:
-            self.snapshotter.release(item.slot)
+            if job.merge_claimed:
+                return False
+            job.merge_claimed = True
+            del self._queued[id(job)]
+            return True
+
+    def _finish(self, job: MergeJob) -> None:
+        """A thread is done with ``job``'s slot: the last one gives it back. Any thread."""
+        with self._holders:
+            job.holders -= 1
+            last = job.holders == 0
+        if last and job.slot is not None:
+            self.snapshotter.release(job.slot)
+
+    def _merge_dropped(self, item: MergeJob | AnchorJob) -> None:
+        if isinstance(item, MergeJob) and self._claim_merge(item):
+            self._finish(item)
 
     # ----------------------------------------------------------------- merger thread
     def _merge_job(self, job: MergeJob | AnchorJob) -> None:
@@ -432,9 +482,11 @@ class ReplicaMerger(QueuedMerges):
 
     @torch.no_grad()
     def _merge(self, job: MergeJob) -> None:
+        if not self._claim_merge(job):
+            return  # skipped, and let go of by another thread
         try:
-            if job.dropped:
-                return
+            if self._skipped(job):
+                return  # the replica is anchored again at the next base
             failpoints.delay("merge")
             job.logged.wait()  # the log reads the slot first (and may clip it in place)
             if job.slot is not None:

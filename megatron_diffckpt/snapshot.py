@@ -184,7 +184,13 @@ class BucketSnapshotter:
         counts in :attr:`slot_wait_seconds`."""
         self.max_wait_s: float | None = None
         """How long the training thread may wait for a free slot; past it the snapshotter
-        pauses (:attr:`paused`) instead. ``None``: as long as it takes."""
+        pauses (:attr:`paused`) instead, or calls :attr:`on_full` when that is set. ``None``:
+        as long as it takes."""
+        self.on_full: Callable[[], None] | None = None
+        """Called on the training thread, instead of pausing, when no slot came within
+        :attr:`max_wait_s`: the consumer is told to let its backlog go (the in-rank merger
+        skips merging until the next base, its log thread still reads every slot), and the
+        snapshotter then waits for a slot as long as it takes."""
         self.paused = False
         """No slot is taken and nothing copied until :meth:`resume`: the iteration whose
         first bucket found no slot within :attr:`max_wait_s`, and those after it."""
@@ -340,10 +346,13 @@ class BucketSnapshotter:
                 start = time.perf_counter()
                 try:
                     index = self._free.get(timeout=self.max_wait_s)
-                except queue.Empty:  # the merger is too far behind: pause, do not wait on
-                    self.slot_wait_seconds += time.perf_counter() - start
-                    self.paused = True
-                    return None
+                except queue.Empty:  # the merger is too far behind
+                    if self.on_full is None:  # pause, do not wait on
+                        self.slot_wait_seconds += time.perf_counter() - start
+                        self.paused = True
+                        return None
+                    self.on_full()  # the merger lets its backlog go: slots come back soon
+                    index = self._free.get()
                 waited = time.perf_counter() - start
                 self.slot_wait_seconds += waited
                 logger.warning(

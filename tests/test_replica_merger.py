@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from megatron_diffckpt import failpoints
-from megatron_diffckpt.replica_merger import MergeJob, ParamSlice, ReplicaMerger, StepInputs
+from megatron_diffckpt.replica_merger import (
+    MergeJob,
+    ParamSlice,
+    ReplicaMerger,
+    StepInputs,
+    refresh_replicas,
+)
 from megatron_diffckpt.snapshot import BucketSnapshotter
 from megatron_diffckpt.storage.format import SegmentIdentity
 from megatron_diffckpt.storage.reader import scan_rank_log
@@ -209,6 +215,61 @@ def test_the_diff_log_runs_ahead_of_a_merger_that_is_behind(
                 assert torch.equal(record.tensors[name], want), (record.iteration, name)
         held.set()
         merger.wait_merged(5)
+        replica = merger.optimizers[0]
+        for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
+            for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):
+                assert torch.equal(p_t, p_r)
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
+    finally:
+        held.set()
+        merger.close()
+        snap.close()
+        writer.close()
+
+
+def test_past_the_bound_on_a_slot_wait_the_merger_skips_to_the_next_anchor_and_the_log_goes_on(
+    tmp_path, monkeypatch
+):
+    """``max_merge_wait_ms`` with the diff log on: the merger is held in its first step and
+    holds one of 2 slots. Iteration 3 finds no slot within the bound: the snapshotter asks the
+    merger to let go (``on_full``), the queued iteration 2 gives its slot back at once, and from
+    then on every slot comes back as soon as the log has read it: training goes on to 5 with
+    the merger still held, and every iteration is logged. Anchored to the training state after
+    5 (as a base in a pause is staged), the replica then merges 6 and equals training bit for
+    bit."""
+    held = threading.Event()
+    delay = failpoints.delay
+    monkeypatch.setattr(failpoints, "delay", lambda n: held.wait() if n == "merge" else delay(n))
+    identity = SegmentIdentity("run", 0, 0, 0, "l")
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=2)
+    writer = DiffLogWriter(str(tmp_path), identity, "none", 1, serialise_at_append=True)
+    merger = ReplicaMerger(LAYOUT, snap, writer)
+    merger.anchor([training], iteration=0)
+    full = []
+    snap.max_wait_s = 0.05
+    snap.on_full = lambda: (full.append(snap_iteration[0]), merger.skip_merges())
+    snap_iteration = [0]
+    gen = torch.Generator().manual_seed(7)
+    try:
+        for it in range(1, 7):
+            if it == 6:  # a base in the pause: the replica anchored to the training state
+                merger.anchor_queued(refresh_replicas([training], None), 5)
+            snap_iteration[0] = it
+            buckets = {k: torch.randn(n, generator=gen) for k, (n, _) in SHARDS.items()}
+            inputs = StepInputs(
+                groups={"o0.g0": [1e-2, 0.1], "o0.g1": [1e-2, 0.0]}, clip_coeffs={0: 0.5}
+            )
+            for key, value in buckets.items():
+                snap.on_bucket_ready(key, value, None)
+            merger.submit(MergeJob(it, snap.finish_iteration(it), inputs, it, 0, ({}, {})))
+            _train_step(training, buckets, inputs)
+        merger.wait_logged()
+        assert full and full[0] == 3  # the first iteration that found no slot in time
+        assert writer.flush() == 6 and merger.merged_iteration == 0  # logged, still held
+        held.set()
+        merger.wait_merged(6)
         replica = merger.optimizers[0]
         for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
             for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):

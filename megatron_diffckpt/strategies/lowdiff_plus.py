@@ -168,6 +168,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             buffer=buffer,
         )
         self.snapshotter.max_wait_s = max_merge_wait_s
+        if keeper is None and writer is not None:  # the log thread reads every slot
+            self.snapshotter.on_full = self._skip_merges
         self._unmerged_from: int | None = None  # the first iteration not merged (paused)
         self._anchored_at = -1  # the newest base staged from the training state in a pause
         if self.in_keeper:
@@ -240,6 +242,23 @@ class LowDiffPlusStrategy(PerIterationStrategy):
                 "inner optimizer; the replica cannot follow this optimizer layout"
             )
         self._inputs.clip_coeffs[inner] = coeff
+
+    def _skip_merges(self) -> None:
+        """No snapshot slot came within ``max_merge_wait_ms``, with the diff log on and the
+        replica in this process: the merger skips what it has not merged until the next base,
+        which is staged from the training state; the log goes on. The training thread."""
+        first = self.merger.skip_merges()
+        if self._unmerged_from is None:
+            self._unmerged_from = self._submitted + 1 if first is None else first
+            logger.warning(
+                "LowDiff+: the merger is behind by more than %d snapshot slot(s) for %.0f ms: "
+                "iterations from %d on are not merged until the next base, which is staged "
+                "from the training state%s (--diffckpt-option max_merge_wait_ms)",
+                self.snapshotter.slots,
+                1000.0 * (self.snapshotter.max_wait_s or 0.0),
+                self._unmerged_from,
+                "; the diff log goes on (durability unchanged)" if self._logging else "",
+            )
 
     def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
         self.snapshotter.flush()
