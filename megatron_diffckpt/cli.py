@@ -386,7 +386,8 @@ def _tune(args: argparse.Namespace) -> int:
             f"host s: a node's replica steps per iteration (LowDiff+, LowDiff's keeper replicas), "
             f"{MERGE_BYTES:g} bytes per shard parameter at {args.host_merge_bandwidth / 1e9:g} "
             "GB/s (--host-merge-bandwidth; benchmarks/host_merge.py measures a host's); training "
-            "waits for what exceeds an iteration"
+            "waits for what exceeds an iteration, or with LowDiff+ (bounded wait) "
+            f"{args.max_merge_wait_s:g} s once per base (--max-merge-wait-s)"
         )
         print(f"{'GPUs':>6} {'MTBF h':>7} {'host s':>7}  {'strategy':25} {'F':>7} {'B':>4} "
               f"{'overhead':>9} {'lost h':>8}")  # fmt: skip

@@ -22,7 +22,11 @@ each at its own best setting:
   at ``host_merge_bandwidth``; the snapshot slots let the merge lag by an iteration or two,
   but where the host needs longer than an iteration, training runs at the host's pace
   (:func:`merge_wait_s`, on the training path of both ways, of LowDiff+ in keepers and of
-  LowDiff's keeper replicas). **Without a replica** (``LowDiff, dense``): no merge;
+  LowDiff's keeper replicas). **With a bound on that wait** (``LowDiff+ (bounded wait)``,
+  ``--diffckpt-option max_merge_wait_ms``): where the host cannot keep up, training waits the
+  bound once per base interval and the merger skips to the next base, staged from the
+  training state (a stall), while the dense log goes on. **Without a replica** (``LowDiff,
+  dense``): no merge;
   bases are staged from the device (a stall, as LowDiff's), the dense log between them: what
   ``--diffckpt-mode lowdiff`` runs with megatron's dense reduction (``--diffckpt-compressor
   none``, its default).
@@ -120,6 +124,9 @@ class JobSpec:
     """Host memory bandwidth one node's replica steps get, bytes/s: a share of what the host
     streams (a dual-socket server, about 300 GB/s; benchmarks/host_merge.py measures a
     host's)."""
+    max_merge_wait_s: float = 1.0
+    """LowDiff+'s bound on training's wait for its merger, seconds (--diffckpt-option
+    max_merge_wait_ms): the bounded-wait plan's."""
 
     def __post_init__(self) -> None:
         if self.gpus % (self.tensor_parallel * self.pipeline_parallel):
@@ -144,6 +151,8 @@ class JobSpec:
             raise ValueError("gpus_per_node must be >= 1 and peer_bandwidth > 0")
         if self.host_merge_bandwidth <= 0:
             raise ValueError("host_merge_bandwidth must be > 0")
+        if self.max_merge_wait_s < 0:
+            raise ValueError("max_merge_wait_s must be >= 0")
 
     @property
     def data_parallel(self) -> int:
@@ -210,6 +219,18 @@ def lowdiff_plus_device_inputs(job: JobSpec) -> CostInputs:
     return replace(c, merge_wait_s=merge_wait_s(job, replica=False))
 
 
+def lowdiff_plus_bounded_inputs(job: JobSpec) -> CostInputs:
+    """LowDiff+ with a bound on training's wait for its merger (``max_merge_wait_s``): where
+    the host steps the node's replicas within an iteration, LowDiff+ with the diff log; where
+    it does not, the snapshot slots fill, training waits the bound once, and the merger skips
+    to the next base, which is staged from the training state (a stall, as LowDiff's), while
+    the dense log goes on: LowDiff+ without a replica, plus the bound once per base."""
+    if host_merge_s(job) <= job.iteration_s:
+        return lowdiff_plus_inputs(job)
+    c = lowdiff_plus_device_inputs(job)
+    return replace(c, base_stall_s=c.base_stall_s + job.max_merge_wait_s)
+
+
 def _inputs(job: JobSpec, diff_bytes: float, base_stall: bool) -> CostInputs:
     bw = _per_rank_bandwidth(job)
     shard_bytes = job.shard_params * job.bytes_per_param
@@ -269,6 +290,8 @@ LOWDIFF_KEEPER_REPLICAS = "LowDiff + keeper replicas"
 LOWDIFF_PLUS_KEEPERS = "LowDiff+ in keepers"
 LOWDIFF_PLUS_DEVICE = "LowDiff, dense"
 """LowDiff+ without its replica: ``--diffckpt-mode lowdiff`` with megatron's dense reduction."""
+LOWDIFF_PLUS_BOUNDED = "LowDiff+ (bounded wait)"
+"""LowDiff+ with the diff log and ``--diffckpt-option max_merge_wait_ms``."""
 
 
 def lowdiff_plus_plans(c: CostInputs, max_interval: int = 1_000_000) -> dict[str, Plan]:
@@ -309,6 +332,7 @@ def compare(job: JobSpec) -> dict[str, Plan]:
             with_keepers(job, stepped, replica=False, lowdiff_replica=True)
         ),
         **lowdiff_plus_plans(plus),
+        LOWDIFF_PLUS_BOUNDED: optimize(lowdiff_plus_bounded_inputs(job)),
         LOWDIFF_PLUS_DEVICE: optimize(lowdiff_plus_device_inputs(job)),
         LOWDIFF_PLUS_KEEPERS: full_checkpointing(with_keepers(job, plus, replica=True)),
         "full checkpointing": full_checkpointing(full_inputs(job)),

@@ -96,6 +96,7 @@ def test_tune_plans_every_strategy_from_8_to_16k_gpus(capsys):
         "LowDiff+ (diff log)",
         "LowDiff+ (bases only)",
         "LowDiff, dense",
+        "LowDiff+ (bounded wait)",
         "LowDiff + keepers",
         "LowDiff + keeper replicas",
         "LowDiff+ in keepers",

@@ -18,13 +18,16 @@ from failure_sim import mean_wall_per_iteration
 from megatron_diffckpt.scale_plan import (
     LOWDIFF_KEEPER_REPLICAS,
     LOWDIFF_PLUS_BASES,
+    LOWDIFF_PLUS_BOUNDED,
     LOWDIFF_PLUS_DEVICE,
     LOWDIFF_PLUS_KEEPERS,
     LOWDIFF_PLUS_LOG,
     JobSpec,
     compare,
     host_merge_s,
+    lowdiff_plus_bounded_inputs,
     lowdiff_plus_choice,
+    lowdiff_plus_device_inputs,
     lowdiff_plus_inputs,
     lowdiff_plus_plans,
     merge_wait_s,
@@ -301,6 +304,14 @@ def test_the_host_that_steps_the_replicas_is_counted_and_without_a_replica_lowdi
         assert fast[name].overhead < 0.01, name
     # Without a replica nothing waits for the host: the plan to run on that host.
     assert slow[LOWDIFF_PLUS_DEVICE].overhead < 0.01
+    # With a bound on the wait, LowDiff+ waits it once per base and stages its bases from the
+    # device where the host falls behind, and is LowDiff+ with the log where it keeps up.
+    assert slow[LOWDIFF_PLUS_BOUNDED].overhead < 0.01
+    assert slow[LOWDIFF_PLUS_BOUNDED].overhead > slow[LOWDIFF_PLUS_DEVICE].overhead
+    assert fast[LOWDIFF_PLUS_BOUNDED] == fast[LOWDIFF_PLUS_LOG]
+    assert lowdiff_plus_bounded_inputs(slow_host).base_stall_s == pytest.approx(
+        lowdiff_plus_device_inputs(slow_host).base_stall_s + slow_host.max_merge_wait_s
+    )
     assert min(slow, key=lambda k: slow[k].overhead) not in replicas
     # Less traffic per node (more GPUs, each node's shards smaller) and the wait is gone.
     spread = JobSpec(**{**job, "gpus": 64}, host_merge_bandwidth=100e9)
@@ -317,4 +328,6 @@ def test_tune_names_the_host_bandwidth_it_assumes(capsys):
     out = capsys.readouterr().out
     assert "32 bytes per shard parameter at 100 GB/s (--host-merge-bandwidth" in out
     assert re.search(r" 2\.24  LowDiff, dense +\d+ +\d+ +0\.0\d%", out), out
+    assert re.search(r" 2\.24  LowDiff\+ \(bounded wait\) +\d+ +\d+ +0\.0\d%", out), out
+    assert "with LowDiff+ (bounded wait) 1 s once per base (--max-merge-wait-s)" in out
     assert re.search(r" 2\.24  LowDiff\+ in keepers +\d+ +\d+ +12\.0\d%", out), out
