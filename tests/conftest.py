@@ -20,6 +20,15 @@ def fault_report():
     return _REPORTS.append
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Keepers the tests SIGKILL leave their shared-memory folders behind, as on a node, until
+    the next keeper started there sweeps them: the suite sweeps what its last ones left, as that
+    keeper would (only folders whose owner process is gone)."""
+    from megatron_diffckpt.keeper.shm import shared_memory_root, sweep_stale_shm
+
+    sweep_stale_shm(shared_memory_root(), keep="")
+
+
 def pytest_terminal_summary(terminalreporter):
     if _REPORTS:
         terminalreporter.section("fault injection")
