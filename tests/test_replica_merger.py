@@ -79,6 +79,25 @@ def _train_step(opt, buckets, inputs):
     opt.step()
 
 
+def _assert_replica_is(training: torch.optim.Optimizer, replica: torch.optim.Optimizer) -> None:
+    """Parameters and Adam state equal bit for bit."""
+    for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
+        for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):
+            assert torch.equal(p_t, p_r)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """An event the merger waits for before each step (its delay point): set, it merges."""
+    event = threading.Event()
+    delay = failpoints.delay
+    monkeypatch.setattr(failpoints, "delay", lambda n: event.wait() if n == "merge" else delay(n))
+    yield event
+    event.set()
+
+
 def test_replica_is_bit_identical_to_the_training_optimizer_over_steps(merger_of):
     training, snap, merger = merger_of(2)
     gen = torch.Generator().manual_seed(1)
@@ -91,12 +110,7 @@ def test_replica_is_bit_identical_to_the_training_optimizer_over_steps(merger_of
         _fill_and_submit(snap, merger, it, buckets, inputs)  # snapshot before the in-place clip
         _train_step(training, buckets, inputs)
     merger.wait_merged(8)
-    replica = merger.optimizers[0]
-    for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
-        for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):
-            assert torch.equal(p_t, p_r)
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
+    _assert_replica_is(training, merger.optimizers[0])
 
 
 def test_a_skipped_step_leaves_the_replica_unchanged_and_frees_its_slot(merger_of):
@@ -166,15 +180,12 @@ def test_jobs_without_rng_states_are_merged_but_not_logged(tmp_path):
 @pytest.mark.parametrize("serialise_at_append", [True, False], ids=["serialised", "copied"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_diff_log_runs_ahead_of_a_merger_that_is_behind(
-    tmp_path, monkeypatch, dtype, serialise_at_append
+    tmp_path, held, dtype, serialise_at_append
 ):
     """The merger is held before its first step: the log thread still writes every iteration
     handed over, each record the exact clipped optimizer input; let go, the merger steps the
     replica bit for bit as training stepped (the log clipped fp32 snapshots in place first,
     which the merger does not repeat; bf16 ones it casts and clips again)."""
-    held = threading.Event()
-    delay = failpoints.delay
-    monkeypatch.setattr(failpoints, "delay", lambda n: held.wait() if n == "merge" else delay(n))
     identity = SegmentIdentity("run", 0, 0, 0, "l")
     shards = {k: (n, dtype) for k, (n, _) in SHARDS.items()}
     training = _training_optimizer()
@@ -215,21 +226,16 @@ def test_the_diff_log_runs_ahead_of_a_merger_that_is_behind(
                 assert torch.equal(record.tensors[name], want), (record.iteration, name)
         held.set()
         merger.wait_merged(5)
-        replica = merger.optimizers[0]
-        for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
-            for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):
-                assert torch.equal(p_t, p_r)
-                for key in ("exp_avg", "exp_avg_sq", "step"):
-                    assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
+        _assert_replica_is(training, merger.optimizers[0])
     finally:
-        held.set()
+        held.set()  # before close: the merger finishes what is queued
         merger.close()
         snap.close()
         writer.close()
 
 
 def test_past_the_bound_on_a_slot_wait_the_merger_skips_to_the_next_anchor_and_the_log_goes_on(
-    tmp_path, monkeypatch
+    tmp_path, held
 ):
     """``max_merge_wait_ms`` with the diff log on: the merger is held in its first step and
     holds one of 2 slots. Iteration 3 finds no slot within the bound: the snapshotter asks the
@@ -238,9 +244,6 @@ def test_past_the_bound_on_a_slot_wait_the_merger_skips_to_the_next_anchor_and_t
     the merger still held, and every iteration is logged. Anchored to the training state after
     5 (as a base in a pause is staged), the replica then merges 6 and equals training bit for
     bit."""
-    held = threading.Event()
-    delay = failpoints.delay
-    monkeypatch.setattr(failpoints, "delay", lambda n: held.wait() if n == "merge" else delay(n))
     identity = SegmentIdentity("run", 0, 0, 0, "l")
     training = _training_optimizer()
     snap = BucketSnapshotter(SHARDS, slots=2)
@@ -270,14 +273,9 @@ def test_past_the_bound_on_a_slot_wait_the_merger_skips_to_the_next_anchor_and_t
         assert writer.flush() == 6 and merger.merged_iteration == 0  # logged, still held
         held.set()
         merger.wait_merged(6)
-        replica = merger.optimizers[0]
-        for g_t, g_r in zip(training.param_groups, replica.param_groups, strict=True):
-            for p_t, p_r in zip(g_t["params"], g_r["params"], strict=True):
-                assert torch.equal(p_t, p_r)
-                for key in ("exp_avg", "exp_avg_sq", "step"):
-                    assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
+        _assert_replica_is(training, merger.optimizers[0])
     finally:
-        held.set()
+        held.set()  # before close: the merger finishes what is queued
         merger.close()
         snap.close()
         writer.close()
