@@ -362,7 +362,8 @@ class DiffCheckpointManager:
         cost = self.strategy.end_iteration(iteration, scheduler_steps, consumed_samples)
         self._ended = (iteration, scheduler_steps, consumed_samples)
         if self.config.when_full == "strict" and self.writer is not None:
-            # LowDiff's append waited already; LowDiff+'s merger appends one iteration behind
+            # LowDiff's append waited already; LowDiff+'s log thread appends once the
+            # iteration's snapshots have landed
             self.writer.wait_durable(iteration - self.writer.batch_size)
         failpoints.reach("iteration-end")
         self.last_diff_seconds = cost.path_s
