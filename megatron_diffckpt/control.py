@@ -163,6 +163,7 @@ class JobControl:
         self._lock = threading.Lock()
         self._ender: str | None = None  # who ends this rank: "main" (itself) or "watcher"
         self._watcher: threading.Thread | None = None
+        self._gone: BaseException | None = None  # the store's first failure (its host ended)
 
     @classmethod
     def start(cls, timeout_s: float) -> JobControl:
@@ -202,6 +203,20 @@ class JobControl:
 
     # -- the fault board ---------------------------------------------------------------------
 
+    def _store(self, op: str, *args: Any) -> Any:
+        """``self.store.<op>(*args)``. Once a call failed (the store's host ended: its socket
+        is gone for good), every later one raises that failure again without touching the
+        socket: torch's store client logs each failed call with a C++ backtrace, and a rank
+        whose peer hosted the store would otherwise print one per call as it ends. Any
+        thread."""
+        if self._gone is not None:
+            raise self._gone
+        try:
+            return getattr(self.store, op)(*args)
+        except (RuntimeError, OSError) as exc:
+            self._gone = exc
+            raise
+
     def posted(self) -> str | None:
         """The fault posted on the board, or ``None``; a line saying so when the job's store
         is gone (its host, often rank 0, ended). Any rank."""
@@ -211,14 +226,14 @@ class JobControl:
             return f"the job's store is gone ({describe(exc)}): another rank stopped"
 
     def _board(self) -> str | None:
-        if not self.store.check([self.fault_key]):
+        if not self._store("check", [self.fault_key]):
             return None
-        return self.store.get(self.fault_key).decode()
+        return self._store("get", self.fault_key).decode()
 
     def post(self, line: str) -> str:
         """Post ``line`` unless a fault is there already; returns the board's fault. Any rank."""
         try:
-            return self.store.compare_set(self.fault_key, "", line).decode()
+            return self._store("compare_set", self.fault_key, "", line).decode()
         except (RuntimeError, OSError):
             return line
 
@@ -242,7 +257,7 @@ class JobControl:
         deadline = time.monotonic() + LINGER_S
         while time.monotonic() < deadline:
             try:
-                if int(self.store.add(f"{self.prefix}/stopped", 0)) >= self.world - 1:
+                if int(self._store("add", f"{self.prefix}/stopped", 0)) >= self.world - 1:
                     return
             except (RuntimeError, OSError):
                 return
@@ -293,7 +308,7 @@ class JobControl:
 
     def _stopping(self) -> None:
         try:
-            self.store.add(f"{self.prefix}/stopped", 1)
+            self._store("add", f"{self.prefix}/stopped", 1)
         except (RuntimeError, OSError):
             pass
 
@@ -314,7 +329,7 @@ class JobControl:
         collectively."""
         self._seq += 1
         try:
-            self.store.set(f"{self.prefix}/at/{self.rank}", f"{self._seq} {what}")
+            self._store("set", f"{self.prefix}/at/{self.rank}", f"{self._seq} {what}")
         except (RuntimeError, OSError) as exc:
             self._raise(self.posted() or f"the job's store is gone ({describe(exc)})")
         line = self.posted()
@@ -353,7 +368,7 @@ class JobControl:
         late = []
         for rank in range(self.world):
             key = f"{self.prefix}/at/{rank}"
-            at = self.store.get(key).decode() if self.store.check([key]) else "0 (none yet)"
+            at = self._store("get", key).decode() if self._store("check", [key]) else "0 (none yet)"
             seq, _, where = at.partition(" ")
             if int(seq) < self._seq:
                 late.append(f"rank {rank} (last at '{where}')")

@@ -35,12 +35,14 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
     logging.basicConfig(
         filename=f"{out}/rank{rank}.log", level=logging.INFO, format="%(message)s", force=True
     )
+    # what torch's C++ side prints too (its store client's warnings)
+    os.dup2(os.open(f"{out}/rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     control.FAILED_WAIT_S = 2.0
     plane = JobControl.start(timeout_s=3.0)
     result: dict = {}
-    if scenario == "peer-killed":
-        _peer_killed(rank, out, plane)
+    if scenario in ("peer-killed", "host-killed"):  # rank 0 hosts the store
+        _peer_killed(rank, out, plane, victim=0 if scenario == "host-killed" else 1)
         return
     try:
         recovery.all_reduce_min([rank], what="first")
@@ -67,11 +69,11 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
     plane.close()
 
 
-def _peer_killed(rank: int, out: str, plane: JobControl) -> None:
-    """Rank 1 is SIGKILLed between two of training's own collectives; rank 0's second one
-    fails, and it ends as a training entry does (:func:`control.end_rank`)."""
+def _peer_killed(rank: int, out: str, plane: JobControl, victim: int) -> None:
+    """Rank ``victim`` is SIGKILLed between two of training's own collectives; the other's
+    second one fails, and it ends as a training entry does (:func:`control.end_rank`)."""
     dist.all_reduce(torch.ones(4))
-    if rank == 1:
+    if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     said: list[str] = []
     try:
@@ -163,3 +165,19 @@ def test_a_rank_whose_peer_was_killed_says_so_in_one_line(tmp_path):
     ), (line, r0["raw"])
     assert "pair.cc" in r0["raw"] and "pair.cc" not in line  # gloo's words, trimmed
     assert re.fullmatch(rf"rank 0: lost a peer: {cause}; the job stops", r0["posted"]), r0
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_peer_hosted_the_store_ends_with_one_line_and_one_store_warning(tmp_path):
+    """Rank 0, whose process hosts the job's store, SIGKILLed between two all-reduces: rank 1
+    says its one line and ends, and torch's store client warns (with a C++ backtrace) about
+    one failed call at most: the control plane makes no further call once one failed (posting
+    the fault, reading the board, counting itself stopped)."""
+    (r0, r1), codes, _ = _run(tmp_path, "host-killed")
+    assert r0 is None and codes[0] == -signal.SIGKILL, (r0, codes)
+    assert r1["status"] == 1 and len(r1["said"]) == 1, r1
+    assert r1["said"][0].startswith("error: rank 1: lost its connection to another rank"), r1
+    assert r1["posted"].startswith("the job's store is gone ("), r1
+    err = (tmp_path / "rank1.err").read_text()
+    warned = re.findall(r"^.*\[W[^]]* TCPStore\.cpp:\d+\] .*$", err, flags=re.M)
+    assert len(warned) <= 1, err[-6000:]
