@@ -38,7 +38,8 @@ import logging
 import os
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from megatron_diffckpt.durable_io import publish_file
 from megatron_diffckpt.scale_plan import (
@@ -47,7 +48,7 @@ from megatron_diffckpt.scale_plan import (
     lowdiff_plus_choice,
     lowdiff_plus_plans,
 )
-from megatron_diffckpt.tuning import CostInputs, Plan, optimize
+from megatron_diffckpt.tuning import CostInputs, Plan, full_checkpointing, optimize
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ class TunerSettings:
     (:func:`~megatron_diffckpt.scale_plan.lowdiff_plus_choice`): the log goes only when storage
     cannot take it every iteration and bases only is then cheaper. One way: once off, it stays
     off for the run."""
+    bound_merge_wait: bool = False
+    """LowDiff+ with its replica in this process and no ``max_merge_wait_ms`` from the user:
+    the tuner may bound training's wait for the merger (:meth:`OnlineTuner.propose`), where
+    waiting for it every iteration costs more than pausing it until the next base. One way:
+    once bounded, bounded for the run."""
 
 
 DECISION_FILE = "autotune.json"
@@ -75,12 +81,15 @@ restarted job resumes with it instead of relearning it."""
 
 @dataclass(frozen=True)
 class Decision:
-    """An (F, B, diff log on) the ranks agreed on, and when."""
+    """An (F, B, diff log on, bound on the merge wait) the ranks agreed on, and when."""
 
     full_interval: int
     batch_size: int
     diff_log: bool
     iteration: int
+    merge_wait_ms: int = 0
+    """LowDiff+'s bound on training's wait for its merger (0: none), as
+    ``--diffckpt-option max_merge_wait_ms``."""
 
 
 def load_decision(diff_dir: str) -> Decision | None:
@@ -92,13 +101,18 @@ def load_decision(diff_dir: str) -> Decision | None:
     with open(path) as f:
         state = json.load(f)
     decision = Decision(
-        state["full_interval"], state["batch_size"], state.get("diff_log", True), state["iteration"]
+        state["full_interval"],
+        state["batch_size"],
+        state.get("diff_log", True),
+        state["iteration"],
+        state.get("merge_wait_ms", 0),
     )
     logger.info(
-        "auto-tune: resuming with F %d, B %d%s (decided at iteration %d)",
+        "auto-tune: resuming with F %d, B %d%s%s (decided at iteration %d)",
         decision.full_interval,
         decision.batch_size,
         "" if decision.diff_log else ", LowDiff+ bases only",
+        f", merge wait bounded at {decision.merge_wait_ms} ms" if decision.merge_wait_ms else "",
         decision.iteration,
     )
     return decision
@@ -112,6 +126,7 @@ def save_decision(diff_dir: str, decision: Decision) -> None:
             "batch_size": decision.batch_size,
             "diff_log": decision.diff_log,
             "iteration": decision.iteration,
+            "merge_wait_ms": decision.merge_wait_ms,
         }
     ).encode()
     publish_file(os.path.join(diff_dir, DECISION_FILE), lambda f: f.write(data))
@@ -121,7 +136,12 @@ class OnlineTuner:
     """Measures the cost model's inputs and re-derives (F, B). Any rank; not collective."""
 
     def __init__(
-        self, settings: TunerSettings, full_interval: int, batch_size: int, diff_log: bool = True
+        self,
+        settings: TunerSettings,
+        full_interval: int,
+        batch_size: int,
+        diff_log: bool = True,
+        merge_wait_ms: int = 0,
     ):
         self.settings = settings
         self.full_interval = full_interval
@@ -142,6 +162,8 @@ class OnlineTuner:
         self.last_plan: Plan | None = None
         self.diff_log = diff_log
         """Whether differentials are written (LowDiff+ may turn the log off)."""
+        self.merge_wait_ms = merge_wait_ms
+        """LowDiff+'s bound on training's wait for its merger, 0 while unbounded."""
 
     # -- measurements ------------------------------------------------------------------------
 
@@ -191,7 +213,7 @@ class OnlineTuner:
         return CostInputs(
             iteration_s=med(self._iteration_s),
             diff_s=med(self._diff_s),
-            merge_wait_s=statistics.fmean(self._merge_wait_s),
+            merge_wait_s=self.mean_merge_wait_s(),
             diff_bytes=med(self._diff_bytes),
             write_bandwidth=bandwidth,
             write_latency_s=med(self._write_latency_s),
@@ -207,6 +229,10 @@ class OnlineTuner:
             max_pending=self.settings.max_pending,
         )
 
+    def mean_merge_wait_s(self) -> float:
+        """LowDiff+: training's mean wait for its merger per iteration, recently."""
+        return statistics.fmean(self._merge_wait_s) if self._merge_wait_s else 0.0
+
     def _write_bandwidth(self) -> float:
         """Bytes per second the writer wrote, over the recent segments."""
         nbytes = sum(b for b, _ in self._write_bytes_s)
@@ -221,13 +247,14 @@ class OnlineTuner:
             return step
         return step + statistics.median(self._diff_bytes) / bandwidth
 
-    def propose(self, iteration: int) -> tuple[int, int, int]:
-        """The (F, B, diff log on) the recent measurements call for (the current ones until
-        enough exist). Logs the decision and the numbers behind it."""
+    def propose(self, iteration: int) -> tuple[int, int, int, int]:
+        """The (F, B, diff log on, merge wait bound in ms) the recent measurements call for (the
+        current ones until enough exist). Logs the decision and the numbers behind it."""
+        current = (self.full_interval, self.batch_size, int(self.diff_log), self.merge_wait_ms)
         inputs = self.inputs()
         if inputs is None:
-            return self.full_interval, self.batch_size, int(self.diff_log)
-        keep, choice = True, ""
+            return current
+        keep, choice, bound_ms = True, "", self.merge_wait_ms
         if self.settings.plus:
             plans = lowdiff_plus_plans(inputs, max_interval=self.settings.max_interval)
             keep = self.diff_log and lowdiff_plus_choice(inputs, plans) == LOWDIFF_PLUS_LOG
@@ -237,6 +264,13 @@ class OnlineTuner:
                 f"with the log {100 * plans[LOWDIFF_PLUS_LOG].overhead:.2f}%, bases only "
                 f"{100 * plans[LOWDIFF_PLUS_BASES].overhead:.2f}%)"
             )
+            bounded = self._bounded_plan(inputs, plan, full_checkpointing if not keep else None)
+            if bounded is not None:
+                plan, bound_ms = bounded
+                choice += (
+                    f"; training's wait for the merger bounded at {bound_ms} ms (waiting costs "
+                    f"{1000 * inputs.merge_wait_s:.1f} ms per iteration)"
+                )
         else:
             plan = optimize(inputs, max_interval=self.settings.max_interval)
         self.last_plan = plan
@@ -266,9 +300,42 @@ class OnlineTuner:
             inputs.restart_s,
             inputs.mtbf_s / 3600,
         )
-        return plan.full_interval, plan.batch_size, int(keep)
+        return plan.full_interval, plan.batch_size, int(keep), bound_ms
 
-    def apply(self, full_interval: int, batch_size: int, diff_log: bool = True) -> None:
-        """Adopt the (F, B, diff log on) every rank agreed on."""
+    def _bounded_plan(
+        self, inputs: CostInputs, plan: Plan, planner: Callable[..., Plan] | None
+    ) -> tuple[Plan, int] | None:
+        """LowDiff+ with a bound on training's wait for its merger, when it beats ``plan``
+        (``planner``'s, default :func:`~megatron_diffckpt.tuning.optimize`, from ``inputs``).
+
+        A merger slower than training fills the snapshot slots, and from then on each iteration
+        waits about the merge's excess over the iteration. The bound is half the median of the
+        waits measured: the first such wait ends the merge wait, the merger skips to the next
+        base, and that base is staged from the training state (a host copy of the same bytes as
+        a base from the replica, without waiting for the merger first: counted as the measured
+        base stall), while the diff log goes on. So the bounded plan costs the bound and a base
+        stall per base interval instead of the wait every iteration. ``None``: not offered
+        (bounded already, by the user or by a decision, or the replica is in the keeper), no
+        wait measured, or not at least 1% cheaper."""
+        if self.merge_wait_ms or not self.settings.bound_merge_wait:
+            return None
+        waits = [w for w in self._merge_wait_s if w > 0.0]
+        if not waits:
+            return None
+        bound_ms = max(1, round(500.0 * statistics.median(waits)))
+        bounded_inputs = replace(
+            inputs, merge_wait_s=0.0, base_stall_s=inputs.base_stall_s + bound_ms / 1000.0
+        )
+        bounded = (planner or optimize)(bounded_inputs, max_interval=self.settings.max_interval)
+        if bounded.wall_per_iteration_s >= 0.99 * plan.wall_per_iteration_s:
+            return None
+        return bounded, bound_ms
+
+    def apply(
+        self, full_interval: int, batch_size: int, diff_log: bool = True, merge_wait_ms: int = 0
+    ) -> None:
+        """Adopt the (F, B, diff log on, merge wait bound) every rank agreed on. The log's
+        stop and the bound are one way."""
         self.full_interval, self.batch_size = full_interval, batch_size
         self.diff_log = self.diff_log and diff_log
+        self.merge_wait_ms = self.merge_wait_ms or merge_wait_ms

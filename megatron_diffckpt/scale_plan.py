@@ -309,7 +309,8 @@ def lowdiff_plus_choice(c: CostInputs, plans: dict[str, Plan]) -> str:
     durable, what LowDiff+ is for) unless storage cannot take it, i.e. training would wait for
     the writer at the log's best B, and bases only is then the cheaper plan."""
     log, bases = plans[LOWDIFF_PLUS_LOG], plans[LOWDIFF_PLUS_BASES]
-    behind = step_s(c, log.batch_size) > (c.iteration_s + c.diff_s) * (1 + 1e-9)
+    # the writer's back-pressure, beyond the merger's wait (which both plans pay)
+    behind = step_s(c, log.batch_size) > (c.iteration_s + c.diff_s + c.merge_wait_s) * (1 + 1e-9)
     if behind and bases.wall_per_iteration_s < log.wall_per_iteration_s:
         return LOWDIFF_PLUS_BASES
     return LOWDIFF_PLUS_LOG

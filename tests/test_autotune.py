@@ -7,11 +7,13 @@ import re
 from dataclasses import replace
 
 import pytest
-from launch import TINY_GPT, recovered_iteration, run_gpt
+from launch import TINY_GPT, assert_same_state, load_dumps, recovered_iteration, run_gpt
 
 from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
 from megatron_diffckpt.tuning import CostInputs, optimize
 
+# rank, first iteration of a pause of LowDiff+'s merger (max_merge_wait_ms)
+PAUSED = r"\[rank(\d+)\].*iterations from (\d+) on are not merged until the next base"
 SETTINGS = TunerSettings(mtbf_s=1800.0, host_memory_budget=1e9, max_pending=2)
 
 
@@ -48,13 +50,13 @@ def test_recovery_measurements_replace_the_estimates():
 def test_proposal_is_the_cost_models_optimum():
     tuner = _fed_tuner()
     expected = optimize(tuner.inputs())
-    assert tuner.propose(50) == (expected.full_interval, expected.batch_size, 1)
+    assert tuner.propose(50) == (expected.full_interval, expected.batch_size, 1, 0)
     assert tuner.last_plan == expected
 
 
 def test_no_proposal_without_measurements():
     tuner = OnlineTuner(SETTINGS, full_interval=100, batch_size=4)
-    assert tuner.propose(50) == (100, 4, 1)
+    assert tuner.propose(50) == (100, 4, 1, 0)
     assert tuner.inputs() is None
     for _ in range(10):  # iterations and writes, but no base yet: its cost is not assumed
         tuner.observe_iteration(1.0, 0.02, 0.05)
@@ -70,17 +72,18 @@ def test_a_slow_writer_gets_bigger_batches():
         tuner.observe_iteration(1.0, 0.02, 0.05)
         tuner.observe_write(records=1, nbytes=1_000_000, write_s=0.01, sync_s=3.0)
     tuner.observe_base(stall_s=5.0, persist_s=20.0)
-    _, batch, _ = tuner.propose(10)
+    _, batch, _, _ = tuner.propose(10)
     inputs: CostInputs = tuner.inputs()
     assert batch > 1
     assert (inputs.write_latency_s + batch * 0.01) / batch <= inputs.iteration_s + 0.02
 
 
-def _plus_tuner(write_s: float) -> OnlineTuner:
+def _plus_tuner(write_s: float, bound_merge_wait: bool = False) -> OnlineTuner:
     """LowDiff+ at 7B parameters on DP=8: a 3.5 GB dense differential per rank, 2 s iterations,
     a base from the replica that stalls nothing and persists in 10 s."""
     settings = TunerSettings(mtbf_s=6.3e3 * 3600, host_memory_budget=16e9, max_pending=2)
-    tuner = OnlineTuner(replace(settings, plus=True), full_interval=100, batch_size=1)
+    settings = replace(settings, plus=True, bound_merge_wait=bound_merge_wait)
+    tuner = OnlineTuner(settings, full_interval=100, batch_size=1)
     for _ in range(10):
         tuner.observe_iteration(2.0, 0.001, 0.05)
         tuner.observe_write(records=1, nbytes=3_500_000_000, write_s=write_s, sync_s=0.05)
@@ -92,7 +95,7 @@ def test_lowdiff_plus_turns_the_diff_log_off_only_where_storage_cannot_take_it()
     fast = _plus_tuner(write_s=0.5)  # 7 GB/s: the log keeps up
     assert fast.propose(50)[2] == 1
     slow = _plus_tuner(write_s=2.8)  # 1.25 GB/s: 2.85 s to write what 2 s of training make
-    full_interval, _, diff_log = slow.propose(50)
+    full_interval, _, diff_log, _ = slow.propose(50)
     assert diff_log == 0 and full_interval == 5  # bases as often as they persist (10 s / 2 s)
     # Replay is an optimizer step plus reading the differential back.
     assert slow.inputs().replay_s == pytest.approx(0.05 + 2.8)
@@ -108,12 +111,45 @@ def test_lowdiff_plus_counts_the_wait_for_its_merger_with_the_log_and_without():
     for i in range(tuner.settings.window):  # the window: only these count
         tuner.observe_iteration(2.0, 0.001, 0.05, merge_wait_s=0.6 if i % 2 else 0.0)
     assert tuner.inputs().merge_wait_s == pytest.approx(0.3)
-    full_interval, _, diff_log = tuner.propose(50)
+    full_interval, _, diff_log, _ = tuner.propose(50)
     assert diff_log == 0 and tuner.last_plan.step_s >= 2.0 + 0.3
     assert tuner.last_plan.overhead >= 0.15
     quiet = _plus_tuner(write_s=2.8)
     quiet.propose(50)
     assert quiet.last_plan.overhead < 0.01
+
+
+def _lagging(tuner: OnlineTuner, wait_s: float, every: int = 2) -> OnlineTuner:
+    for i in range(tuner.settings.window):
+        tuner.observe_iteration(2.0, 0.001, 0.05, merge_wait_s=0.0 if i % every else wait_s)
+    return tuner
+
+
+def test_lowdiff_plus_bounds_the_wait_for_a_merger_that_cannot_keep_up():
+    """A merger that keeps training waiting 0.6 s every other iteration: the tuner bounds the
+    wait at half the median wait (300 ms); its plan pays the bound and a base stall per base
+    interval instead of 0.3 s per iteration. One way: a bounded run stays bounded, whatever it
+    measures next (its waits are the bound's, once per pause)."""
+    tuner = _lagging(_plus_tuner(write_s=0.5, bound_merge_wait=True), 0.6)
+    unbounded = _lagging(_plus_tuner(write_s=0.5), 0.6)  # the user's bound, or the keeper's
+    f, _, diff_log, bound_ms = tuner.propose(50)
+    assert (diff_log, bound_ms) == (1, 300)
+    assert tuner.last_plan.step_s < 2.0 + 0.01  # no wait every iteration
+    assert unbounded.propose(50)[3] == 0 and unbounded.last_plan.step_s >= 2.0 + 0.3
+    assert tuner.last_plan.wall_per_iteration_s < unbounded.last_plan.wall_per_iteration_s
+    tuner.apply(f, 1, True, bound_ms)
+    _lagging(tuner, 0.0)  # no wait since: the bound stays
+    assert tuner.propose(60)[3] == 300
+    tuner.apply(f, 1, True, 0)
+    assert tuner.merge_wait_ms == 300
+
+
+def test_lowdiff_plus_leaves_a_merger_that_keeps_up_unbounded():
+    """No wait, or a rare short one (a base's persist slowing the merger: 10 ms once in 50
+    iterations, 0.2 ms per iteration): a bound would save less than it costs."""
+    assert _plus_tuner(write_s=0.5, bound_merge_wait=True).propose(50)[3] == 0
+    rare = _lagging(_plus_tuner(write_s=0.5, bound_merge_wait=True), 0.01, every=50)
+    assert rare.propose(50)[3] == 0
 
 
 @pytest.mark.distributed
@@ -188,3 +224,45 @@ def test_lowdiff_plus_auto_tune_keeps_a_log_that_keeps_up(tmp_path):
     assert "stops writing the diff log" not in log
     resumed = run_gpt(2, *common, "--train-iters", "13", "--load", str(ckpt))
     assert recovered_iteration(resumed) == 12
+
+
+@pytest.mark.distributed
+def test_lowdiff_plus_auto_tune_bounds_the_wait_for_a_slow_merger(tmp_path, monkeypatch):
+    """A real LowDiff+ run whose rank 0 merger sleeps 0.4 s per merge (iterations take about
+    50 ms): at its first decision the tuner bounds training's wait for it, both ranks agree,
+    and rank 0's merger then skips to the next base (staged from the training state) while the
+    diff log goes on; the bound is saved with the decision, a restart resumes with it and
+    recovers the last iteration from base and log, and training is that of a run without
+    LowDiff+, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv("DIFFCKPT_DELAY", "merge:0.4@0")
+    model = [*TINY_GPT, "--use-distributed-optimizer", "--lr-decay-iters", "100"]
+    common = [*model, "--save", str(ckpt), "--save-interval", "3", "--diffckpt-mode",
+              "lowdiff-plus", "--diffckpt-auto-tune", "--diffckpt-option",
+              "retune_interval=4"]  # fmt: skip
+    proc = run_gpt(2, *common, "--train-iters", "12", "--dump-state", str(tmp_path / "plus"))
+    log = proc.stdout + proc.stderr
+    agreed = re.search(r"\[rank0\].*auto-tune at iteration 4: F 3 -> \d+, B 1 -> \d+, merge "
+                       r"wait bounded at (\d+) ms \(agreed by all ranks\)", log)  # fmt: skip
+    assert agreed, log[-4000:]
+    bound_ms = int(agreed[1])
+    assert re.search(r"\[rank0\].*auto-tune at iteration 4: proposes .*; training's wait for the "
+                     r"merger bounded at \d+ ms", log)  # fmt: skip
+    bounded = re.findall(r"\[rank(\d)\].*auto-tune at iteration 4: training waited [\d.]+ ms "
+                         r"per iteration for this rank's merger; from now on it waits at most "
+                         r"(\d+) ms", log)  # fmt: skip
+    assert sorted(bounded) == [("0", str(bound_ms)), ("1", str(bound_ms))], log[-4000:]
+    paused = [int(m[1]) for m in re.findall(PAUSED, log) if m[0] == "0"]
+    assert paused and min(paused) > 4, log[-4000:]  # after the decision, not before
+    state = json.loads((ckpt / "diffckpt" / "autotune.json").read_text())
+    assert state["merge_wait_ms"] == bound_ms
+    resumed = run_gpt(2, *common, "--train-iters", "13", "--load", str(ckpt))
+    out = resumed.stdout + resumed.stderr
+    assert f"merge wait bounded at {bound_ms} ms (decided at iteration" in out, out[-3000:]
+    assert recovered_iteration(resumed) == 12
+    monkeypatch.delenv("DIFFCKPT_DELAY")
+    run_gpt(2, *model, "--train-iters", "12", "--dump-state", str(tmp_path / "plain"))
+    plain, plus = load_dumps(tmp_path / "plain", 2), load_dumps(tmp_path / "plus", 2)
+    for rank in range(2):
+        assert plus[rank]["losses"] == plain[rank]["losses"]
+        assert_same_state(plain[rank], plus[rank], rank)

@@ -267,7 +267,7 @@ class DiffCheckpointManager:
         batch_size, diff_log = self.config.batch_size, True
         if self.config.auto_tune:
             self.tuner, full_interval, batch_size, diff_log = start_tuner(
-                self.config, self.dir, full_interval, self.recovered
+                self.config, self.dir, full_interval, self.recovered, self._replica_in_keeper
             )
             self.full_interval = full_interval
         plus = self.config.mode == "lowdiff-plus"
@@ -333,7 +333,7 @@ class DiffCheckpointManager:
                 keeper=self.keeper if in_keeper else None,
                 keeper_log=keeper_log,
                 keeper_writes_bases=self.plan.writes_bases,
-                max_merge_wait_s=(self.config.options.max_merge_wait_ms / 1000.0) or None,
+                max_merge_wait_s=self._max_merge_wait_ms() / 1000.0 or None,
             )
             if in_keeper and replica is not None:
                 self.strategy.merger.resumed = replica
@@ -345,6 +345,12 @@ class DiffCheckpointManager:
                 before_step=self._kept.wait if self._kept is not None else None,
             )
         self.strategy.start(iteration)
+
+    def _max_merge_wait_ms(self) -> int:
+        """LowDiff+'s bound on training's wait for its merger: the user's, else the
+        auto-tuner's (0: none)."""
+        tuned = self.tuner.merge_wait_ms if self.tuner is not None else 0
+        return self.config.options.max_merge_wait_ms or tuned
 
     def end_iteration(
         self,

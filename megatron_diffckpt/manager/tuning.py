@@ -24,23 +24,35 @@ logger = logging.getLogger(__name__)
 
 
 def start_tuner(
-    config: DiffCkptConfig, diff_dir: str, full_interval: int, recovered: Recovered | None
+    config: DiffCkptConfig,
+    diff_dir: str,
+    full_interval: int,
+    recovered: Recovered | None,
+    replica_in_keeper: bool = False,
 ) -> tuple[OnlineTuner, int, int, bool]:
     """The tuner of this run, and the F, B and diff log to start with: the run's last decision
-    (``diff_dir``), else ``full_interval`` and ``--diffckpt-batch-size``. Any rank (all
-    read the same decision)."""
-    batch_size, diff_log = config.batch_size, True
+    (``diff_dir``), else ``full_interval`` and ``--diffckpt-batch-size``; its bound on
+    LowDiff+'s merge wait is the tuner's ``merge_wait_ms``. Any rank (all read the same
+    decision)."""
+    batch_size, diff_log, merge_wait_ms = config.batch_size, True, 0
     decided = load_decision(diff_dir)
     if decided is not None:
         full_interval, batch_size = decided.full_interval, decided.batch_size
         diff_log = decided.diff_log
+        merge_wait_ms = decided.merge_wait_ms
+    plus = config.mode == "lowdiff-plus"
+    # the keeper's replica pauses its log with its merges: the tuner bounds only a rank's own
+    bound = plus and not replica_in_keeper and not config.options.max_merge_wait_ms
     settings = TunerSettings(
         mtbf_s=config.mtbf_hours * 3600.0,
         host_memory_budget=config.options.host_memory_budget * 2.0**20,
         max_pending=config.options.max_pending,
-        plus=config.mode == "lowdiff-plus",
+        plus=plus,
+        bound_merge_wait=bound,
     )
-    tuner = OnlineTuner(settings, full_interval, batch_size, diff_log)
+    tuner = OnlineTuner(
+        settings, full_interval, batch_size, diff_log, merge_wait_ms if bound else 0
+    )
     if recovered is not None:
         tuner.observe_recovery(recovered.base_load_s, recovered.replay_s, recovered.startup_s)
     else:
@@ -56,25 +68,45 @@ def retune(
     strategy: Any,
     diff_dir: str,
 ) -> int:
-    """Agree on the ranks' proposals (MIN of F and of B) and adopt them: the writer's batch,
-    the strategy's diff log; returns the new F. All ranks, collectively."""
-    proposed_f, batch_size, log = recovery.all_reduce_min(
-        list(tuner.propose(iteration)), what="auto-tuning: F and B"
+    """Agree on the ranks' proposals (MIN of F and of B, the longest bound on LowDiff+'s merge
+    wait any rank proposes) and adopt them: the writer's batch, the strategy's diff log and
+    merge wait; returns the new F. All ranks, collectively."""
+    f, b, log, wait_ms = tuner.propose(iteration)
+    proposed_f, batch_size, log, neg_wait_ms = recovery.all_reduce_min(
+        [f, b, log, -wait_ms], what="auto-tuning: F and B"
     )
     diff_log = bool(log) and tuner.diff_log
+    merge_wait_ms = tuner.merge_wait_ms or -neg_wait_ms
     current_b = writer.batch_size if writer is not None else batch_size
-    if (proposed_f, batch_size, diff_log) != (full_interval, current_b, tuner.diff_log):
+    decided = (proposed_f, batch_size, diff_log, merge_wait_ms)
+    if decided != (full_interval, current_b, tuner.diff_log, tuner.merge_wait_ms):
         logger.info(
-            "auto-tune at iteration %d: F %d -> %d, B %d -> %d%s (agreed by all ranks)",
+            "auto-tune at iteration %d: F %d -> %d, B %d -> %d%s%s (agreed by all ranks)",
             iteration,
             full_interval,
             proposed_f,
             current_b,
             batch_size,
             "" if diff_log else ", diff log off (LowDiff+ bases only)",
+            f", merge wait bounded at {merge_wait_ms} ms" if merge_wait_ms else "",
         )
         if torch.distributed.get_rank() == 0:
-            save_decision(diff_dir, Decision(proposed_f, batch_size, diff_log, iteration))
+            save_decision(
+                diff_dir, Decision(proposed_f, batch_size, diff_log, iteration, merge_wait_ms)
+            )
+    if merge_wait_ms and not tuner.merge_wait_ms:
+        logger.warning(
+            "auto-tune at iteration %d: training waited %.1f ms per iteration for this rank's "
+            "merger; from now on it waits at most %d ms for a snapshot slot, and past that the "
+            "merger skips to the next base, staged from the training state%s (as "
+            "--diffckpt-option max_merge_wait_ms=%d)",
+            iteration,
+            1000.0 * tuner.mean_merge_wait_s(),
+            merge_wait_ms,
+            "; the diff log goes on" if diff_log else "",
+            merge_wait_ms,
+        )
+        strategy.bound_merge_wait(merge_wait_ms / 1000.0)
     if not diff_log and tuner.diff_log:
         logger.warning(
             "auto-tune at iteration %d: LowDiff+ stops writing the diff log (storage cannot "
@@ -84,7 +116,7 @@ def retune(
             proposed_f,
         )
         strategy.stop_diff_log()
-    tuner.apply(proposed_f, batch_size, diff_log)
+    tuner.apply(proposed_f, batch_size, diff_log, merge_wait_ms)
     if writer is not None:
         writer.batch_size = batch_size  # segments may have any length: safe anytime
     return proposed_f

@@ -301,6 +301,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             merge_wait_s=self.snapshotter.iteration_slot_wait_seconds,
         )
 
+    def bound_merge_wait(self, seconds: float) -> None:
+        """From the next iteration on, wait at most ``seconds`` for a snapshot slot, as
+        ``max_merge_wait_s`` (the auto-tuner's decision). The training thread."""
+        self.snapshotter.max_wait_s = seconds
+
     def stop_diff_log(self) -> None:
         """Write no more differentials (the iterations handed over so far still are): from now
         on only bases make iterations recoverable. The training thread; one way."""
