@@ -553,15 +553,13 @@ def step_replica(
     inputs: StepInputs,
     iteration: int,
     cpu: CpuMeter,
-    on_input: Any = None,
     clipped: bool = False,
 ) -> None:
     """Step the replica ``optimizers`` with one iteration's snapshots (``buffers``, of which the
     buckets ``filled`` were copied) and step inputs: the exact input of the training step
     (:func:`step_inputs`; ``clipped``: the fp32 gradients were multiplied by the clipping
-    coefficients in place already). ``on_input(inner, optimizer)``, when given, sees each
-    optimizer's input before its step (the keeper's diff log record). CPU time goes to ``cpu``
-    as ``"merge input"`` and ``"merge step"``."""
+    coefficients in place already). CPU time goes to ``cpu`` as ``"merge input"`` and
+    ``"merge step"``."""
     inputs_of = step_inputs(optimizers, layout, buffers, filled, inputs, iteration, clipped)
     while True:
         with cpu.measure("merge input"):
@@ -574,9 +572,6 @@ def step_replica(
             group["lr"], group["weight_decay"] = inputs.groups[f"o{i}.g{g}"]
             for k, p in enumerate(group["params"]):
                 p.grad = grads[(g, k)]
-        if on_input is not None:
-            with cpu.measure("diff log record"):
-                on_input(i, opt)
         with cpu.measure("merge step"):
             blocked_adam.step(opt)
         for group in opt.param_groups:

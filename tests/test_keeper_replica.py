@@ -90,11 +90,16 @@ def _hosted(tmp_path: Path, train: torch.optim.AdamW, slots: int = 2):
     return HostedReplica(request, b"", None), buffers
 
 
-def _step(train: torch.optim.AdamW, buffer: torch.Tensor, iteration: int) -> dict:
-    """One training step with random gradients, laid into ``buffer``; its hand-over request."""
+def _step(
+    train: torch.optim.AdamW, buffer: torch.Tensor, iteration: int, clip: float | None = None
+) -> dict:
+    """One training step with random gradients, laid into ``buffer`` as reduced (before
+    megatron's clip by ``clip``, when given, in place); its hand-over request."""
     torch.manual_seed(100 + iteration)
     flat = torch.randn(NUMEL)
     buffer.copy_(flat)
+    if clip is not None:
+        flat.mul_(clip)
     start = 0
     for p in train.param_groups[0]["params"]:
         p.grad = flat[start : start + p.numel()].view(p.shape).clone()
@@ -108,7 +113,7 @@ def _step(train: torch.optim.AdamW, buffer: torch.Tensor, iteration: int) -> dic
         "slot": iteration % 2,
         "filled": ["b0"],
         "groups": {"o0.g0": [lr, group["weight_decay"]]},
-        "clip": {},
+        "clip": {} if clip is None else {"0": clip},
     }
 
 
@@ -317,20 +322,22 @@ def _counters(iteration: int) -> bytes:
 IDENTITY = SegmentIdentity("run", 0, 0, 1, "layout")
 
 
-def test_the_keeper_writes_the_diff_log_from_its_merges_which_replays_to_training(tmp_path):
-    """Every iteration the keeper merges is a record of the rank's diff log on storage, and
-    replaying those records onto the state they follow gives training's state bit for bit; the
-    log is one behind (the held input is written once merged) and durable after a flush."""
+def test_the_keeper_writes_the_diff_log_as_iterations_come_which_replays_to_training(tmp_path):
+    """Every iteration handed over is a record of the rank's diff log on storage as the keeper
+    receives it, ahead of its merge (the held input is in the log before it is merged), and
+    replaying those records onto the state they follow gives training's state bit for bit, as
+    does the replica: the log clips each step's gradients in the slot, as megatron does, and
+    the merge steps with them as they are (not clipped twice)."""
     train = _training_optimizer()
     (tmp_path / "shm").mkdir()
     hosted, buffers = _hosted(tmp_path / "shm", train)
     hosted.log = ReplicaLog(_log_spec(tmp_path / "diffckpt", batch_size=2), 0, asdict(IDENTITY))
     for it in (1, 2, 3, 4, 5):
-        hosted.take(_step(train, buffers[it % 2], it), _counters(it))
+        hosted.take(_step(train, buffers[it % 2], it, clip=0.5 if it % 2 else None), _counters(it))
     rank_dir = str(tmp_path / "diffckpt" / IDENTITY.dirname())
-    assert hosted.log.flush() == 4  # merged 1-4 (the partial batch 3-4 written too), holds 5
+    assert hosted.log.flush() == 5 and hosted.merged == 4  # 5 written, held, not merged
     hosted.flush(5)
-    assert hosted.log.flush() == 5
+    _assert_replica_equals(hosted, train)
     records = scan_rank_log(rank_dir, IDENTITY, 0).records
     assert [r.iteration for r in records] == [1, 2, 3, 4, 5]
     assert records[2].scalars["consumed_samples"] == 12 and "rng.torch" in records[0].tensors
@@ -356,7 +363,7 @@ def test_a_new_chain_in_the_keepers_log_cuts_what_an_older_attempt_wrote_after_i
     (tmp_path / "shm").mkdir()
     hosted, buffers = _hosted(tmp_path / "shm", train)
     hosted.log = ReplicaLog(_log_spec(root, batch_size=2), 0, asdict(IDENTITY))
-    for it in range(1, 8):
+    for it in range(1, 7):
         hosted.take(_step(train, buffers[it % 2], it), _counters(it))
     assert hosted.log.flush() == 6
     hosted.log.close()
@@ -388,15 +395,13 @@ def test_a_full_filesystem_under_the_keepers_log_stops_the_rank_in_its_own_words
     replicas = HostedReplicas(KeeperState(2**30), str(tmp_path / "shm"))
     key = tuple(sorted(asdict(IDENTITY).items()))
     replicas._replicas[key] = hosted
-    replies = [
-        replicas.handle("replica_merge", key, _step(train, buffers[it % 2], it), _counters(it))
-        for it in (1, 2)
-    ]
-    assert "error" not in replies[0][0] and replies[1][0]["kind"] == "StorageFullError"
+    reply = replicas.handle("replica_merge", key, _step(train, buffers[1], 1), _counters(1))
+    assert reply[0]["kind"] == "StorageFullError"
+    assert hosted.held is None and hosted.merged == 0  # the hand-over was not taken
 
     class Client:  # the rank's side of that reply
         def call(self, request, payload=b""):
-            return replies[1]
+            return reply
 
     rank = KeeperReplicaMerger.__new__(KeeperReplicaMerger)
     rank.client = rank._link = Client()

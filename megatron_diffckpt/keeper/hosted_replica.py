@@ -1,8 +1,8 @@
 """One replica hosted in the keeper (:class:`HostedReplica`): the rank's optimizer shard in
 shared-memory files, stepped with each iteration the rank hands over, one behind; the diff log
-written from its merges (:class:`ReplicaLog`); and its copy for the next node's keeper
-(:func:`copy_of`, :func:`feed`). :mod:`~megatron_diffckpt.keeper.replicas` holds a node's
-replicas and serves their requests.
+written as the iterations come, ahead of their merges (:class:`ReplicaLog`); and its copy for
+the next node's keeper (:func:`copy_of`, :func:`feed`). :mod:`~megatron_diffckpt.keeper.replicas`
+holds a node's replicas and serves their requests.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from megatron_diffckpt.replica_merger import (
     ParamSlice,
     ShardLayout,
     StepInputs,
+    step_inputs,
     step_replica,
 )
 from megatron_diffckpt.shared_replica import (
@@ -57,19 +58,23 @@ class _Held:
     record: bytes
     differential: DiffRecord | None = None
     """LowDiff: the differential itself (the step input), in place of a slot's snapshots."""
+    clipped: bool = False
+    """The diff log read the slot first and multiplied its fp32 gradients by the clipping
+    coefficients in place (as megatron does): the merge must not scale them again."""
 
 
 class ReplicaLog:
     """The diff log of one rank whose replica this keeper holds, written by the keeper.
 
-    Every iteration the replica merges becomes a record, as the in-process merger's
-    (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger` with a writer) would make it: the
-    step input the merge consumed (each main parameter's gradient, clipped, and every group's
-    learning rate and weight decay) with the counters and RNG states the rank handed over; a
-    :class:`~megatron_diffckpt.storage.writer.DiffLogWriter` in this process writes it to the
-    rank's folder of the diff log. So a job that loses everything (ranks and keepers) recovers
-    from storage to the newest iteration every rank's keeper wrote, not to the newest base; and
-    the rank's process does no diff-log work at all.
+    Every iteration the rank hands over becomes a record as the keeper receives it, ahead of
+    its merge, as the in-process merger's log thread
+    (:class:`~megatron_diffckpt.replica_merger.ReplicaMerger` with a writer) makes it: the
+    step input the merge will consume (each main parameter's gradient, clipped, and every
+    group's learning rate and weight decay) with the counters and RNG states the rank handed
+    over; a :class:`~megatron_diffckpt.storage.writer.DiffLogWriter` in this process writes it
+    to the rank's folder of the diff log. So a job that loses everything (ranks and keepers)
+    recovers from storage to the newest iteration every rank's keeper wrote, not to the newest
+    base; and the rank's process does no diff-log work at all.
 
     A chain that does not continue this writer's (a new one: a fresh start, a recovery from
     storage, a replica adopted from a peer) starts with nothing after its first iteration left
@@ -180,19 +185,39 @@ class HostedReplica:
             self.sums = [checksum(t) for t in tensors]
 
     def take(self, request: dict[str, Any], record: bytes) -> list[int]:
-        """Hold the iteration ``request`` hands over, after merging the one held before; the
-        slots given back."""
+        """Hold the iteration ``request`` hands over and write it to the diff log, then merge
+        the one held before; the slots given back."""
         iteration = int(request["iteration"])
         expected = (self.held.iteration if self.held else self.merged) + 1
         if iteration != expected:
             raise ValueError(f"handed iteration {iteration}, expected {expected}")
-        released = self._merge_held()
         inputs = StepInputs(
             {k: list(v) for k, v in request["groups"].items()},
             {int(k): float(v) for k, v in request["clip"].items()},
         )
-        self.held = _Held(iteration, request["slot"], set(request["filled"]), inputs, record)
+        held = _Held(iteration, request["slot"], set(request["filled"]), inputs, record)
+        if self.log is not None:
+            self._log(held)
+        released = self._merge_held()
+        self.held = held
         return released
+
+    @torch.no_grad()
+    def _log(self, held: _Held) -> None:
+        """Write ``held`` to the diff log, its step input rebuilt from its slot (the fp32
+        gradients clipped in place: its merge then steps with them as they are)."""
+        log = self.log
+        with self.cpu.measure("diff log record"):
+            if not held.inputs.skipped:
+                if held.slot is None:
+                    raise ValueError(f"iteration {held.iteration} handed over without snapshots")
+                for i, grads in step_inputs(
+                    self.optimizers, self.layout, self.slots[held.slot], held.filled,
+                    held.inputs, held.iteration,
+                ):  # fmt: skip
+                    log.capture.on_grads(i, held.inputs.groups, grads)
+                held.clipped = True
+            log.append(held.iteration, held.record)
 
     def take_differential(self, payload: bytes) -> None:
         """LowDiff: hold the differential ``payload`` (one encoded record, the step input
@@ -244,20 +269,16 @@ class HostedReplica:
             self.merged, self.record = held.iteration, held.record
             self._seal()
             return []
-        log = self.log
         if not held.inputs.skipped:
             if held.slot is None:
                 raise ValueError(f"iteration {held.iteration} stepped without snapshots")
             failpoints.delay("keeper-merge")
             step_replica(
                 self.optimizers, self.layout, self.slots[held.slot], held.filled, held.inputs,
-                held.iteration, self.cpu, log.capture.on_ready_grads if log else None,
+                held.iteration, self.cpu, clipped=held.clipped,
             )  # fmt: skip
         self.merged, self.record = held.iteration, held.record
         self._seal()
-        if log is not None:
-            with self.cpu.measure("diff log record"):
-                log.append(held.iteration, held.record)
         return [] if held.slot is None else [held.slot]
 
     @torch.no_grad()
@@ -349,6 +370,7 @@ def copy_of(replica: HostedReplica, parts: Parts) -> dict[str, Any]:
             "clip": {str(k): v for k, v in held.inputs.clip_coeffs.items()},
             "buckets": spans,
             "has_slot": held.slot is not None,
+            "clipped": held.clipped,
             "record": parts.add(held.record),
         }
     return header
@@ -356,9 +378,11 @@ def copy_of(replica: HostedReplica, parts: Parts) -> dict[str, Any]:
 
 def feed(replica: HostedReplica, held: dict[str, Any], payload: bytearray | Received) -> None:
     """Hand ``replica`` (a copy: two slots of its own) the iteration ``held`` describes: its
-    snapshot into the slot of the iteration's parity, then :meth:`HostedReplica.take`."""
+    snapshot into the slot of the iteration's parity (clipped in place already where the
+    sender's diff log read it first: ``clipped``), then :meth:`HostedReplica.take`."""
     slot = held["iteration"] % 2 if held["has_slot"] else None
     for k, offset, n in held["buckets"]:
         target = replica.slots[slot][k].view(-1).view(torch.uint8)
         target[:n].copy_(torch.frombuffer(span(payload, offset, n), dtype=torch.uint8))
     replica.take({**held, "slot": slot}, payload_slice(payload, held["record"]))
+    replica.held.clipped = held.get("clipped", False)  # its snapshot as the sender's slot holds it

@@ -36,8 +36,8 @@ Exactness: the keeper runs the same torch optimizer class with the same options 
 inputs (:func:`~megatron_diffckpt.replica_merger.step_replica`), so on CPU the replica is
 bit-identical to the training state, as in-process.
 
-The diff log: the keeper also writes the rank's dense diff log from its merges
-(:class:`ReplicaLog`), so that storage holds every iteration too.
+The diff log: the keeper also writes the rank's dense diff log from what the rank hands over,
+as it comes, ahead of the merge (:class:`ReplicaLog`), so that storage holds every iteration too.
 
 LowDiff (``--diffckpt-option keeper_replica``) reuses the same replica and recovery: from each base
 the keeper holds (:mod:`~megatron_diffckpt.keeper.bases`), a replica stepped with the rank's
@@ -318,8 +318,8 @@ class HostedReplicas:
             log.writer.rebase(base)
 
     def close(self) -> None:
-        """The keeper stops: write what every log holds (a rank that died leaves its merged
-        iterations to storage)."""
+        """The keeper stops: write what every log holds (a rank that died leaves the
+        iterations it handed over to storage)."""
         with self._lock:
             logs, self._logs = list(self._logs.values()), {}
         for log in logs:
@@ -360,6 +360,7 @@ class HostedReplicas:
                 [k, parts.copy(t)["offset"], t.nbytes] for k, t in zip(filled, tensors, strict=True)
             ]
             header["has_slot"] = req["slot"] is not None
+            header["clipped"] = replica.held.clipped  # by the diff log, in the slot
             return header
 
         self.link.forward_files(self.folder, sum(t.nbytes for t in tensors), make)
