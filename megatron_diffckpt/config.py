@@ -92,8 +92,8 @@ class DiffCkptOptions:
     ever (the diff log is written ahead of the merge), and the base is staged from the training
     state. 0: wait as long as it takes (every iteration merged). With the replica in the node's
     keeper, the wait bounded is the hand-over of the previous iteration (which waits for the
-    keeper's merge), and the iterations in between are neither merged nor logged (durability
-    waits for that base, as under --diffckpt-when-full skip). With --diffckpt-auto-tune and the
+    keeper's merge); the iterations in between are logged but not merged there too, or, with
+    diff_log=false, neither merged nor logged. With --diffckpt-auto-tune and the
     replica in the rank, 0 lets the tuner set a bound where waiting costs more."""
 
     def __post_init__(self) -> None:

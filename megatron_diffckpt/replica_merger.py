@@ -250,9 +250,12 @@ class QueuedMerges:
         """Time spent merging, cumulative."""
         self._worker = BackgroundWorker(thread_name, handle, drop=drop, on_error=self._failed)
         self._workers = [self._worker]  # in the order they are waited for and stopped
+        self._skips = 0  # skip_merges calls (the training thread)
+        self._anchor_skips = 0  # of them, those before the newest anchor queued
 
     def submit(self, job: MergeJob) -> None:
         """Queue ``job``; its slot is released once it is merged. The training thread."""
+        job.anchor_skips = self._anchor_skips
         self._raise_background_error()
         self._worker.put(job)
 
@@ -260,9 +263,16 @@ class QueuedMerges:
         """Make the replica equal to ``sources`` (a copy of the training state after
         ``iteration``, left unchanged until this is merged) once the jobs queued before are
         handled, on the merger's thread: the training thread does not wait for them. The
-        training thread."""
+        iterations submitted after it are merged again (an earlier ``skip_merges`` ends
+        here). The training thread."""
+        self._anchor_skips = self._skips
         self._raise_background_error()
         self._worker.put(AnchorJob(sources, iteration))
+
+    def _skipped(self, job: MergeJob) -> bool:
+        """``job`` is not merged: not snapshotted, or ``skip_merges`` was called since the
+        anchor before it. Any thread."""
+        return job.dropped or self._skips > job.anchor_skips
 
     @property
     def merged_iteration(self) -> int:
@@ -335,8 +345,6 @@ class ReplicaMerger(QueuedMerges):
         # the record's gradients need not be copied out of it first
         self.capture = GradShardCapture(copy=writer is None or not writer.serialise_at_append)
         self.optimizers: list[torch.optim.Optimizer | None] = []
-        self._skips = 0  # skip_merges calls (the training thread)
-        self._anchor_skips = 0  # of them, those before the newest anchor queued
         self._holders = threading.Lock()  # the jobs' holders and claims, and _queued
         self._queued: dict[int, MergeJob] = {}  # jobs whose merger's hold is not yet taken
         super().__init__("diffckpt-merger", self._merge_job, self._merge_dropped)
@@ -354,7 +362,7 @@ class ReplicaMerger(QueuedMerges):
     def submit(self, job: MergeJob) -> None:
         """Queue ``job`` for the log thread (when the diff log is on) and the merger; its slot
         is released once both are done with it. The training thread."""
-        job.anchor_skips = self._anchor_skips
+        job.anchor_skips = self._anchor_skips  # before either thread sees it
         with self._holders:
             self._queued[id(job)] = job
         if self._log is None:
@@ -397,12 +405,6 @@ class ReplicaMerger(QueuedMerges):
                 self._finish(job)
         return min((job.iteration for job in queued), default=None)
 
-    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
-        """As :meth:`QueuedMerges.anchor_queued`; the iterations submitted after it are merged
-        again (an earlier :meth:`skip_merges` ends here). The training thread."""
-        self._anchor_skips = self._skips
-        super().anchor_queued(sources, iteration)
-
     def wait_logged(self) -> None:
         """Block until every job submitted so far is in the diff log's writer (appended: the
         writer makes it durable); at once without a diff log. The training thread."""
@@ -443,11 +445,6 @@ class ReplicaMerger(QueuedMerges):
         self._finish(job)
         if self._skipped(job) and self._claim_merge(job):  # nothing for the merger to do
             self._finish(job)
-
-    def _skipped(self, job: MergeJob) -> bool:
-        """``job`` is not merged: not snapshotted, or :meth:`skip_merges` was called since the
-        anchor before it. Any thread."""
-        return job.dropped or self._skips > job.anchor_skips
 
     def _claim_merge(self, job: MergeJob) -> bool:
         """Take the merger's hold on ``job``; ``False`` when it was taken already. Any thread."""

@@ -7,6 +7,7 @@ each ending equal to an uninterrupted run (``torch.equal``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 import signal
@@ -163,14 +164,15 @@ def test_recovery_settles_at_either_iteration_the_keeper_offers(tmp_path):
 
 
 @contextlib.contextmanager
-def _rank_against_a_keeper(tmp_path: Path) -> Iterator[tuple[Any, ...]]:
-    """A keeper process and one rank's side of LowDiff+ against it, anchored at 0: ``(keeper
-    process, socket, merger, snapshotter with 3 shared slots, training optimizer)``."""
+def _rank_against_a_keeper(tmp_path: Path, log: dict | None = None) -> Iterator[tuple[Any, ...]]:
+    """A keeper process and one rank's side of LowDiff+ against it, anchored at 0 (``log``:
+    the spec of the diff log the keeper writes): ``(keeper process, socket, merger,
+    snapshotter with 3 shared slots, training optimizer)``."""
     sock = str(tmp_path / "keeper.sock")
     proc = start_keeper(sock)
     try:
-        client = KeeperClient(sock, SegmentIdentity("run", 0, 0, 1, "layout"))
-        merger = KeeperReplicaMerger(client, _layout())
+        client = KeeperClient(sock, IDENTITY)
+        merger = KeeperReplicaMerger(client, _layout(), log=log)
         snapshotter = BucketSnapshotter(
             {"b0": (NUMEL, torch.float32)}, slots=3, buffer=merger.slot_buffer
         )
@@ -245,6 +247,18 @@ def test_an_iterations_first_reduction_waits_for_the_previous_hand_over(tmp_path
         merger.close()
 
 
+def _staged(train: torch.optim.AdamW) -> torch.optim.AdamW:
+    """A copy of ``train``'s parameters and state, as a base staged from the training state
+    holds them (training steps on meanwhile)."""
+    staged = _training_optimizer()
+    staged.load_state_dict(copy.deepcopy(train.state_dict()))
+    for p_staged, p_train in zip(
+        staged.param_groups[0]["params"], train.param_groups[0]["params"], strict=True
+    ):
+        p_staged.copy_(p_train)
+    return staged
+
+
 def test_past_the_bound_a_hand_over_pauses_the_snapshots_until_a_base_re_anchors_the_keeper(
     tmp_path,
 ):
@@ -274,12 +288,7 @@ def test_past_the_bound_a_hand_over_pauses_the_snapshots_until_a_base_re_anchors
             merger.submit(MergeJob(it, None, inputs, it, 8 * it, ({}, {}), dropped=True))
         assert 0.2 <= snapshotter.slot_wait_seconds < 30  # one bounded wait, at iteration 2
         proc.send_signal(signal.SIGCONT)
-        staged = _training_optimizer()  # the base's copy of the training state at 3
-        staged.load_state_dict(train.state_dict())
-        for p_staged, p_train in zip(
-            staged.param_groups[0]["params"], train.param_groups[0]["params"], strict=True
-        ):
-            p_staged.copy_(p_train)
+        staged = _staged(train)  # the base's copy of the training state at 3
         merger.anchor_queued([staged], 3)
         snapshotter.resume()
         assert merger.wait_idle(30)
@@ -302,6 +311,57 @@ def test_past_the_bound_a_hand_over_pauses_the_snapshots_until_a_base_re_anchors
             assert torch.equal(p_train, p_rep)
             for key, value in train.state[p_train].items():
                 assert torch.equal(value, replica.state[p_rep][key]), key
+        merger.close()
+
+
+def test_past_the_bound_with_the_keepers_log_every_iteration_is_still_logged(tmp_path):
+    """``max_merge_wait_ms`` with the replica and the diff log in the keeper: with the keeper
+    stopped, iteration 2's first reduction waits 0.2 s for the hand-over of 1, then skips the
+    keeper's merges (``on_full``) instead of pausing: 2 and 3 are snapshotted and handed over
+    to be logged only. Once the keeper runs again, every slot comes back, the log holds 1-3
+    (replaying to training bit for bit) while the replica stays at 0 and offers nothing, and
+    a base at 3 re-anchors it: 4 is merged again and the replica follows training exactly."""
+    spec = {**_log_spec(tmp_path / "diffckpt"), "identity": asdict(IDENTITY)}
+    with _rank_against_a_keeper(tmp_path, log=spec) as (proc, sock, merger, snapshotter, train):
+        snapshotter.max_wait_s = 0.2
+        skipped = []
+        snapshotter.on_full = lambda: skipped.append(merger.skip_merges())
+        proc.send_signal(signal.SIGSTOP)
+        for it in (1, 2, 3):
+            grads = torch.empty(NUMEL)
+            request = _step(train, grads, it)
+            snapshotter.before_reduction()
+            snapshotter.on_bucket_ready("b0", grads)
+            slot = snapshotter.finish_iteration(it)
+            assert slot is not None and not snapshotter.paused
+            inputs = StepInputs(request["groups"], {})
+            merger.submit(MergeJob(it, slot, inputs, it, 8 * it, ({}, {})))
+        assert skipped == [1, 1]  # the hand-over of 1 still under way, at 2 and at 3
+        proc.send_signal(signal.SIGCONT)
+        assert merger.wait_idle(30)
+        assert merger.merged_iteration == 0 and snapshotter._free.qsize() == 3
+        (row,) = query(sock)["replicas"]
+        assert (row["merged"], row["held"]) == (0, None)
+        assert merger._call({"op": "replica_log_flush"})["durable"] == 3
+        records = scan_rank_log(str(tmp_path / "diffckpt" / IDENTITY.dirname()), IDENTITY, 0)
+        assert [r.iteration for r in records.records] == [1, 2, 3]
+        _assert_replays_to(records.records, train)
+        proc.send_signal(signal.SIGSTOP)  # the anchor takes 0.5 s, past the bound
+        threading.Timer(0.5, proc.send_signal, (signal.SIGCONT,)).start()
+        merger.anchor_queued([_staged(train)], 3)  # the base's copy of the training state
+        grads = torch.empty(NUMEL)
+        request = _step(train, grads, 4)
+        waited = snapshotter.slot_wait_seconds
+        snapshotter.before_reduction()  # 4 waits for the anchor (the base's staging) in full
+        assert snapshotter.slot_wait_seconds - waited >= 0.4
+        snapshotter.on_bucket_ready("b0", grads)
+        merger.submit(
+            MergeJob(4, snapshotter.finish_iteration(4), StepInputs(request["groups"], {}), 4,
+                     32, ({}, {}))
+        )  # fmt: skip
+        merger.wait_merged(4)
+        assert skipped == [1, 1]  # merged again from the anchor on
+        _assert_replica_equals(merger, train)
         merger.close()
 
 
@@ -341,6 +401,13 @@ def test_the_keeper_writes_the_diff_log_as_iterations_come_which_replays_to_trai
     records = scan_rank_log(rank_dir, IDENTITY, 0).records
     assert [r.iteration for r in records] == [1, 2, 3, 4, 5]
     assert records[2].scalars["consumed_samples"] == 12 and "rng.torch" in records[0].tensors
+    _assert_replays_to(records, train)
+    hosted.log.close()
+
+
+def _assert_replays_to(records: list[DiffRecord], train: torch.optim.AdamW) -> None:
+    """Replaying ``records`` onto the state training started from gives ``train``'s, bit for
+    bit."""
     replayed = _training_optimizer()
     for record in records:
         set_step_inputs(0, replayed, record, record_grads(record))
@@ -351,6 +418,32 @@ def test_the_keeper_writes_the_diff_log_as_iterations_come_which_replays_to_trai
         assert torch.equal(p_train, p_rep)
         for key, value in train.state[p_train].items():
             assert torch.equal(value, replayed.state[p_rep][key]), key
+
+
+def test_iterations_logged_only_skip_the_merges_until_the_replica_is_opened_again(tmp_path):
+    """``replica_log``: the keeper writes an iteration to the diff log and gives its slot back
+    at once, unmerged, dropping the input it held (logged already); the replica then offers no
+    iteration to a recovery and refuses to merge until it is opened again, and the log holds
+    every iteration handed over, which replays to training bit for bit."""
+    train = _training_optimizer()
+    (tmp_path / "shm").mkdir()
+    hosted, buffers = _hosted(tmp_path / "shm", train)
+    with pytest.raises(ValueError, match="no diff log is open"):
+        hosted.log_only(_step(_training_optimizer(), buffers[1], 1), _counters(1))
+    hosted.log = ReplicaLog(_log_spec(tmp_path / "diffckpt"), 0, asdict(IDENTITY))
+    for it in (1, 2, 3):
+        hosted.take(_step(train, buffers[it % 2], it), _counters(it))
+    assert hosted.log_only(_step(train, buffers[0], 4), _counters(4)) == [1, 0]  # 3's, then 4's
+    fifth = _step(train, buffers[1], 5)
+    assert hosted.log_only(fifth, _counters(5)) == [1]
+    assert (hosted.merged, hosted.held, hosted.offer()) == (2, None, (-1, -1))
+    with pytest.raises(ValueError, match="after logging 5 only"):
+        hosted.take({**fifth, "iteration": 6, "slot": 0}, _counters(6))
+    assert hosted.flush(6) == [] and hosted.log.flush() == 5
+    records = scan_rank_log(str(tmp_path / "diffckpt" / IDENTITY.dirname()), IDENTITY, 0).records
+    assert [r.iteration for r in records] == [1, 2, 3, 4, 5]
+    _assert_replays_to(records, train)
+    assert hosted.log.continues(5)  # the next base's replica continues the log
     hosted.log.close()
 
 
@@ -467,20 +560,26 @@ def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tm
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("diff_log", ["with-log", "without-log"])
 def test_a_keeper_slower_than_training_pauses_until_the_next_base_and_recovery_stays_exact(
-    tmp_path,
+    tmp_path, diff_log
 ):
     """The keeper sleeps 0.4 s per merge (a host that cannot keep up; iterations take about
     50 ms), with ``max_merge_wait_ms=100``: an iteration waits at most 100 ms for the previous
-    one's hand-over, then nothing is handed over until the next base (every 8), which is staged
-    from the training state and re-anchors the keeper's replica. The log line's ``stats`` call
-    does not wait behind a merge (the replica has a connection of its own). Rank 1 is
-    SIGKILLed in the pause after base 8 was published; the restart recovers no older than that
-    base (the keepers' replicas may not be anchored to it yet: storage's then serves) and ends
-    equal to the uninterrupted run (``torch.equal``); the keeper says nothing of the rank that
-    died in the middle of a merge."""
+    one's hand-over, then the keeper merges nothing until the next base (every 8), which is
+    staged from the training state and re-anchors the keeper's replica; with the keeper's diff
+    log every iteration is still handed over and logged, without it nothing is handed over.
+    The log line's ``stats`` call does not wait behind a merge (the replica has a connection
+    of its own). Rank 1 is SIGKILLed in the pause after base 8 was published; the restart
+    recovers to the iteration it was killed at with the log (storage's base 8 and the log the
+    keepers wrote in the pause), and no older than base 8 without it (the keepers' replicas may
+    not be anchored to it yet: storage's then serves), and ends equal to the uninterrupted run
+    (``torch.equal``); the keeper says nothing of the rank that died in the middle of a
+    merge."""
     common, plus = _keeper_job(tmp_path, total=20, full_interval=8)
     plus += ["--diffckpt-option", "max_merge_wait_ms=100"]
+    if diff_log == "without-log":
+        plus += ["--diffckpt-option", "diff_log=false"]
     proc, lines = launch_node([*common, *plus], {"DIFFCKPT_DELAY": "keeper-merge:0.4"})
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -495,9 +594,15 @@ def test_a_keeper_slower_than_training_pauses_until_the_next_base_and_recovery_s
         if proc.poll() is None:
             kill_tree(proc)
     first = log[: log.index("base of iteration 8 published")]
+    paused = (
+        r"not merged until the next base, which is staged from the training state; the diff "
+        r"log goes on"
+        if diff_log == "with-log"
+        else r"neither merged nor logged"
+    )
     for rank in (0, 1):  # both paused before base 8, which re-anchored their replicas
-        assert re.search(rf"\[rank{rank}\].*iterations from \d+ on are neither merged nor "
-                         r"logged", first), first[-4000:]  # fmt: skip
+        began = rf"\[rank{rank}\].*iterations from \d+ on are {paused}"
+        assert re.search(began, first), first[-4000:]
     assert re.search(r"iterations \d+-8 were not merged; the base of iteration 8 is staged "
                      r"from the training state", first), first[-4000:]  # fmt: skip
     assert re.search(r"merge backlog: \d+ \(not merged until the next base\) \|", first)
@@ -506,7 +611,8 @@ def test_a_keeper_slower_than_training_pauses_until_the_next_base_and_recovery_s
     if got is None:  # the keepers' replicas not anchored to base 8 yet, or apart: storage
         got = re.search(r"recovering to iteration (\d+)", restart)
     assert got is not None, restart[-4000:]
-    assert 8 <= int(got[1]) <= killed_after + 1, (got[0], killed_after)
+    lowest = killed_after - 1 if diff_log == "with-log" else 8  # rank 1 handed over one less
+    assert lowest <= int(got[1]) <= killed_after + 1, (got[0], killed_after)
     assert "Exception occurred during processing" not in log, log[-4000:]
     _assert_ends_as_straight(tmp_path, int(got[1]))
 

@@ -146,6 +146,9 @@ class HostedReplica:
         self.merged = int(request["iteration"])
         self.record = record  # the counters and RNG states at ``merged`` (b"": none)
         self.held: _Held | None = None
+        self.logged_only: int | None = None
+        """The newest iteration written to the diff log unmerged (:meth:`log_only`); ``None``:
+        every iteration handed over is merged."""
         self.rng: dict[str, torch.Tensor] | None = None
         """LowDiff's replica (stepped with differentials): every generator's newest state (a
         differential holds only those that moved), from the base's on; ``None``: LowDiff+'s."""
@@ -187,20 +190,45 @@ class HostedReplica:
     def take(self, request: dict[str, Any], record: bytes) -> list[int]:
         """Hold the iteration ``request`` hands over and write it to the diff log, then merge
         the one held before; the slots given back."""
+        if self.logged_only is not None:
+            raise ValueError(
+                f"handed iteration {request['iteration']} to merge after logging "
+                f"{self.logged_only} only: the replica must be opened again first"
+            )
+        held = self._handed(request, record)
+        if self.log is not None:
+            self._log(held)
+        released = self._merge_held()
+        self.held = held
+        return released
+
+    def log_only(self, request: dict[str, Any], record: bytes) -> list[int]:
+        """Write the iteration ``request`` hands over to the diff log and give its slot back at
+        once, unmerged: the rank's merges are skipped until its next base (training would
+        otherwise wait for them past ``max_merge_wait_ms``), which opens the replica again. The
+        input held is dropped (it is in the log already), and from now on the replica offers
+        no iteration to a recovery (storage's base and log reach further) nor takes any to
+        merge. The slots given back."""
+        if self.log is None:
+            raise ValueError("an iteration handed over to be logged only: no diff log is open")
+        held = self._handed(request, record)
+        self._log(held)
+        released = [s for s in (self.held.slot if self.held else None, held.slot) if s is not None]
+        self.held, self.logged_only = None, held.iteration
+        return released
+
+    def _handed(self, request: dict[str, Any], record: bytes) -> _Held:
+        """The iteration ``request`` hands over, checked to be the next one."""
         iteration = int(request["iteration"])
-        expected = (self.held.iteration if self.held else self.merged) + 1
+        newest = self.held.iteration if self.held else self.merged
+        expected = (self.logged_only if self.logged_only is not None else newest) + 1
         if iteration != expected:
             raise ValueError(f"handed iteration {iteration}, expected {expected}")
         inputs = StepInputs(
             {k: list(v) for k, v in request["groups"].items()},
             {int(k): float(v) for k, v in request["clip"].items()},
         )
-        held = _Held(iteration, request["slot"], set(request["filled"]), inputs, record)
-        if self.log is not None:
-            self._log(held)
-        released = self._merge_held()
-        self.held = held
-        return released
+        return _Held(iteration, request["slot"], set(request["filled"]), inputs, record)
 
     @torch.no_grad()
     def _log(self, held: _Held) -> None:
@@ -241,7 +269,10 @@ class HostedReplica:
     def offer(self) -> tuple[int, int]:
         """``(low, high)``: the iterations this replica can be recovered to (``-1, -1``: none).
         ``merged`` counts only with its counters and RNG states (a replica anchored from a base
-        has none: storage serves that iteration)."""
+        has none: storage serves that iteration); none while it logs only
+        (:meth:`log_only`)."""
+        if self.logged_only is not None:
+            return -1, -1
         high = self.held.iteration if self.held else self.merged
         low = self.merged if self.record else self.merged + 1
         return (low, high) if low <= high else (-1, -1)

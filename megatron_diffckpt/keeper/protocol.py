@@ -45,6 +45,9 @@ class Op(StrEnum):
     """Drop the rank's replica."""
     REPLICA_MERGE = "replica_merge"
     """Step the replica with the iteration handed over in the snapshot slots."""
+    REPLICA_LOG = "replica_log"
+    """Write the iteration handed over in a snapshot slot to the diff log and give the slot
+    back, unmerged (merges skipped until the replica is opened again)."""
     REPLICA_FLUSH = "replica_flush"
     """Reply once every hand-over is merged."""
     REPLICA_SETTLE = "replica_settle"

@@ -90,6 +90,8 @@ class KeeperReplicaMerger(QueuedMerges):
         self._slot_specs: list[dict[str, Any]] = []
         self._held: dict[int, SnapshotSlot] = {}
         self._cpu_seen: dict[str, float] = {}
+        self._handing: int | None = None  # the iteration whose hand-over is under way
+        self._anchors = self._anchored = 0  # anchors queued (training thread) and done
         super().__init__("diffckpt-keeper-hand-over", self._hand_over, self._drop)
 
     def slot_buffer(self, slot: int, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -111,17 +113,40 @@ class KeeperReplicaMerger(QueuedMerges):
         ``slot_wait_seconds``.
 
         With a bound on that wait (the snapshotter's ``max_wait_s``,
-        ``--diffckpt-option max_merge_wait_ms``), a hand-over still running past it pauses the
-        snapshotter: nothing is handed over until the next base re-anchors the keeper's replica
-        (:meth:`anchor_queued`). Ranks may then be further apart in their keepers than one
-        iteration; a recovery finds no iteration every keeper reaches and goes to storage, as
-        when a keeper is lost."""
+        ``--diffckpt-option max_merge_wait_ms``), a hand-over still running past it skips the
+        keeper's merges until the next base re-anchors its replica (:meth:`anchor_queued`):
+        where the keeper writes the diff log, the snapshotter's ``on_full`` is called (which
+        calls :meth:`skip_merges`) and every iteration is still handed over, to be logged
+        only; without the log, the snapshotter pauses: nothing is handed over. Ranks may then
+        be further apart in their keepers than one iteration; a recovery finds no iteration
+        every keeper reaches and goes to storage, as when a keeper is lost."""
         self.snapshotter = snapshotter
         snapshotter.before_iteration = self._before_iteration
 
     def _before_iteration(self) -> None:
-        if not self.wait_idle(self.snapshotter.max_wait_s):
+        if self.snapshotter.max_wait_s is not None:
+            # a base staged in a pause re-anchors the replica on the hand-over thread: that is
+            # the base's staging, waited for in full; the bound is on hand-overs (counted from
+            # its end, or every iteration after a base would find the bound spent and skip)
+            with self._cond:
+                self._cond.wait_for(lambda: self._anchored >= self._anchors or self._error)
+        if self.wait_idle(self.snapshotter.max_wait_s):
+            return
+        if self.log is not None and self.snapshotter.on_full is not None:
+            self.snapshotter.on_full()  # the merges skipped, the log goes on
+        else:
             self.snapshotter.paused = True
+
+    def skip_merges(self) -> int | None:
+        """Have the keeper merge none of the iterations not yet handed over, those queued
+        included, until the next anchor queued after this call: each is handed over to be
+        written to the diff log only (``replica_log``: the keeper gives its slot back at once
+        and drops the input it held), so training goes at the log's pace and every iteration
+        is logged. Returns the first iteration not merged, the one whose hand-over is under
+        way (the keeper merges the one before it first; ``None``: none is). The training
+        thread, with the diff log in the keeper."""
+        self._skips += 1
+        return self._handing
 
     # ----------------------------------------------------------------- training thread
     def anchor(self, torch_optimizers: list[torch.optim.Optimizer | None], iteration: int) -> None:
@@ -178,11 +203,18 @@ class KeeperReplicaMerger(QueuedMerges):
         self._link.close()
 
     # ----------------------------------------------------------------- hand-over thread
+    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        self._anchors += 1
+        super().anchor_queued(sources, iteration)
+
     def _hand_over(self, job: MergeJob | AnchorJob) -> None:
         if isinstance(job, AnchorJob):  # a base during a pause: the replica starts again there
             if self._held:  # the input it holds merged first: the keeper gives its slot back
                 self._released(self._call({"op": Op.REPLICA_FLUSH, "through": job.iteration}))
             self._open(job.sources, job.iteration)
+            with self._cond:
+                self._anchored += 1
+                self._cond.notify_all()
             return
         if job.dropped:  # paused: not snapshotted, nothing to hand over
             return
@@ -193,14 +225,18 @@ class KeeperReplicaMerger(QueuedMerges):
         scalars = {"scheduler_steps": job.scheduler_steps, "consumed_samples": job.consumed_samples}
         record = encode_record(DiffRecord(job.iteration, {**scalars, **rng[0]}, dict(rng[1])))
         request = {
-            "op": Op.REPLICA_MERGE,
+            "op": Op.REPLICA_LOG if self._skipped(job) else Op.REPLICA_MERGE,
             "iteration": job.iteration,
             "slot": None if job.slot is None else job.slot.index,
             "filled": sorted(job.slot.filled) if job.slot is not None else [],
             "groups": job.inputs.groups,
             "clip": {str(k): v for k, v in job.inputs.clip_coeffs.items()},
         }
-        self._released(self._call(request, record))
+        self._handing = job.iteration
+        try:
+            self._released(self._call(request, record))
+        finally:
+            self._handing = None
         self.client.held_iteration = job.iteration
 
     def _released(self, reply: dict[str, Any]) -> None:

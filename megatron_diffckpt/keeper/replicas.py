@@ -162,6 +162,8 @@ class HostedReplicas:
             record = bytes(payload)
             released = replica.take(req, record)
             self._forward_iteration(req, replica, record)
+        elif op == Op.REPLICA_LOG:  # the copy is renewed when the replica is opened again
+            released = replica.log_only(req, bytes(payload))
         elif op == Op.REPLICA_FLUSH:
             released = replica.flush(int(req["through"]))
         elif op == Op.REPLICA_SETTLE:

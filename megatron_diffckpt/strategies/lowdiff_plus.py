@@ -168,7 +168,10 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             buffer=buffer,
         )
         self.snapshotter.max_wait_s = max_merge_wait_s
-        if keeper is None and writer is not None:  # the log thread reads every slot
+        # past the bound the merges are skipped while every iteration is still logged (the
+        # log thread, or the keeper, reads every slot); without a log the snapshots pause
+        self._keeper_logs = self.in_keeper and keeper_log is not None
+        if (keeper is None and writer is not None) or self._keeper_logs:
             self.snapshotter.on_full = self._skip_merges
         self._unmerged_from: int | None = None  # the first iteration not merged (paused)
         self._anchored_at = -1  # the newest base staged from the training state in a pause
@@ -244,20 +247,27 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._inputs.clip_coeffs[inner] = coeff
 
     def _skip_merges(self) -> None:
-        """No snapshot slot came within ``max_merge_wait_ms``, with the diff log on and the
-        replica in this process: the merger skips what it has not merged until the next base,
+        """No snapshot slot (in the keeper: no hand-over) came within ``max_merge_wait_ms``,
+        with the diff log on: the merger skips what it has not merged until the next base,
         which is staged from the training state; the log goes on. The training thread."""
         first = self.merger.skip_merges()
         if self._unmerged_from is None:
             self._unmerged_from = self._submitted + 1 if first is None else first
+            bound_ms = 1000.0 * (self.snapshotter.max_wait_s or 0.0)
+            behind = (
+                f"the node's keeper took more than {bound_ms:.0f} ms to take an iteration over"
+                if self.in_keeper
+                else f"the merger is behind by more than {self.snapshotter.slots} snapshot "
+                f"slot(s) for {bound_ms:.0f} ms"
+            )
             logger.warning(
-                "LowDiff+: the merger is behind by more than %d snapshot slot(s) for %.0f ms: "
-                "iterations from %d on are not merged until the next base, which is staged "
-                "from the training state%s (--diffckpt-option max_merge_wait_ms)",
-                self.snapshotter.slots,
-                1000.0 * (self.snapshotter.max_wait_s or 0.0),
+                "LowDiff+: %s: iterations from %d on are not merged until the next base, which "
+                "is staged from the training state%s (--diffckpt-option max_merge_wait_ms)",
+                behind,
                 self._unmerged_from,
-                "; the diff log goes on (durability unchanged)" if self._logging else "",
+                "; the diff log goes on (durability unchanged)"
+                if self._logging or self._keeper_logs
+                else "",
             )
 
     def _on_ready_grads(self, inner_index: int, torch_optimizer: Any) -> None:
