@@ -247,6 +247,19 @@ def test_an_iterations_first_reduction_waits_for_the_previous_hand_over(tmp_path
         merger.close()
 
 
+def _snapshot_and_submit(
+    snapshotter: BucketSnapshotter, merger: KeeperReplicaMerger, train: torch.optim.AdamW, it: int
+) -> None:
+    """Training's iteration ``it`` through the rank's side: its first reduction (which may
+    wait for the keeper), its snapshot, its hand-over queued."""
+    grads = torch.empty(NUMEL)
+    request = _step(train, grads, it)
+    snapshotter.before_reduction()
+    snapshotter.on_bucket_ready("b0", grads)
+    slot = snapshotter.finish_iteration(it)
+    merger.submit(MergeJob(it, slot, StepInputs(request["groups"], {}), it, 8 * it, ({}, {})))
+
+
 def _staged(train: torch.optim.AdamW) -> torch.optim.AdamW:
     """A copy of ``train``'s parameters and state, as a base staged from the training state
     holds them (training steps on meanwhile)."""
@@ -296,21 +309,9 @@ def test_past_the_bound_a_hand_over_pauses_the_snapshots_until_a_base_re_anchors
         (row,) = query(sock)["replicas"]
         assert (row["merged"], row["held"]) == (3, None)
         assert snapshotter._free.qsize() == 3  # iteration 1's slot came back
-        request = _step(train, grads, 4)
-        snapshotter.before_reduction()
-        snapshotter.on_bucket_ready("b0", grads)
-        merger.submit(
-            MergeJob(4, snapshotter.finish_iteration(4), StepInputs(request["groups"], {}), 4,
-                     32, ({}, {}))
-        )  # fmt: skip
+        _snapshot_and_submit(snapshotter, merger, train, 4)
         merger.wait_merged(4)
-        (replica,) = merger.optimizers
-        for p_train, p_rep in zip(
-            train.param_groups[0]["params"], replica.param_groups[0]["params"], strict=True
-        ):
-            assert torch.equal(p_train, p_rep)
-            for key, value in train.state[p_train].items():
-                assert torch.equal(value, replica.state[p_rep][key]), key
+        _assert_replica_equals(merger, train)
         merger.close()
 
 
@@ -328,14 +329,8 @@ def test_past_the_bound_with_the_keepers_log_every_iteration_is_still_logged(tmp
         snapshotter.on_full = lambda: skipped.append(merger.skip_merges())
         proc.send_signal(signal.SIGSTOP)
         for it in (1, 2, 3):
-            grads = torch.empty(NUMEL)
-            request = _step(train, grads, it)
-            snapshotter.before_reduction()
-            snapshotter.on_bucket_ready("b0", grads)
-            slot = snapshotter.finish_iteration(it)
-            assert slot is not None and not snapshotter.paused
-            inputs = StepInputs(request["groups"], {})
-            merger.submit(MergeJob(it, slot, inputs, it, 8 * it, ({}, {})))
+            _snapshot_and_submit(snapshotter, merger, train, it)
+            assert not snapshotter.paused  # snapshotted and handed over
         assert skipped == [1, 1]  # the hand-over of 1 still under way, at 2 and at 3
         proc.send_signal(signal.SIGCONT)
         assert merger.wait_idle(30)
@@ -349,16 +344,9 @@ def test_past_the_bound_with_the_keepers_log_every_iteration_is_still_logged(tmp
         proc.send_signal(signal.SIGSTOP)  # the anchor takes 0.5 s, past the bound
         threading.Timer(0.5, proc.send_signal, (signal.SIGCONT,)).start()
         merger.anchor_queued([_staged(train)], 3)  # the base's copy of the training state
-        grads = torch.empty(NUMEL)
-        request = _step(train, grads, 4)
         waited = snapshotter.slot_wait_seconds
-        snapshotter.before_reduction()  # 4 waits for the anchor (the base's staging) in full
-        assert snapshotter.slot_wait_seconds - waited >= 0.4
-        snapshotter.on_bucket_ready("b0", grads)
-        merger.submit(
-            MergeJob(4, snapshotter.finish_iteration(4), StepInputs(request["groups"], {}), 4,
-                     32, ({}, {}))
-        )  # fmt: skip
+        _snapshot_and_submit(snapshotter, merger, train, 4)
+        assert snapshotter.slot_wait_seconds - waited >= 0.4  # the anchor waited for in full
         merger.wait_merged(4)
         assert skipped == [1, 1]  # merged again from the anchor on
         _assert_replica_equals(merger, train)
