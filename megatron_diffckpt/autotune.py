@@ -68,8 +68,8 @@ class TunerSettings:
     cannot take it every iteration and bases only is then cheaper. One way: once off, it stays
     off for the run."""
     bound_merge_wait: bool = False
-    """LowDiff+ with its replica in this process and no ``max_merge_wait_ms`` from the user:
-    the tuner may bound training's wait for the merger (:meth:`OnlineTuner.propose`), where
+    """LowDiff+ without ``max_merge_wait_ms`` from the user: the tuner may bound training's
+    wait for the merger (:meth:`OnlineTuner.propose`), where
     waiting for it every iteration costs more than pausing it until the next base. One way:
     once bounded, bounded for the run."""
 
@@ -315,8 +315,8 @@ class OnlineTuner:
         a base from the replica, without waiting for the merger first: counted as the measured
         base stall), while the diff log goes on. So the bounded plan costs the bound and a base
         stall per base interval instead of the wait every iteration. ``None``: not offered
-        (bounded already, by the user or by a decision, or the replica is in the keeper), no
-        wait measured, or not at least 1% cheaper."""
+        (bounded already, by the user or by a decision), no wait measured, or not at least
+        1% cheaper."""
         if self.merge_wait_ms or not self.settings.bound_merge_wait:
             return None
         waits = [w for w in self._merge_wait_s if w > 0.0]

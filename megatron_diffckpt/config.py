@@ -93,8 +93,8 @@ class DiffCkptOptions:
     state. 0: wait as long as it takes (every iteration merged). With the replica in the node's
     keeper, the wait bounded is the hand-over of the previous iteration (which waits for the
     keeper's merge); the iterations in between are logged but not merged there too, or, with
-    diff_log=false, neither merged nor logged. With --diffckpt-auto-tune and the
-    replica in the rank, 0 lets the tuner set a bound where waiting costs more."""
+    diff_log=false, neither merged nor logged. With --diffckpt-auto-tune, 0 lets the
+    tuner set a bound where waiting costs more."""
 
     def __post_init__(self) -> None:
         for name in ("max_pending", "host_memory_budget", "retune_interval", "collective_timeout"):

@@ -187,6 +187,12 @@ class KeeperReplicaMerger(QueuedMerges):
             self.snapshotter.release(self._held.pop(index))
         self._set_merged(iteration)
 
+    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
+        """As :meth:`QueuedMerges.anchor_queued` (a base staged in a pause); the next
+        iteration's first reduction waits for it in full."""
+        self._anchors += 1
+        super().anchor_queued(sources, iteration)
+
     def wait_merged(self, iteration: int) -> float:
         """Block until the keeper's replica holds ``iteration``; the seconds waited."""
         start = time.perf_counter()
@@ -203,10 +209,6 @@ class KeeperReplicaMerger(QueuedMerges):
         self._link.close()
 
     # ----------------------------------------------------------------- hand-over thread
-    def anchor_queued(self, sources: list[torch.optim.Optimizer | None], iteration: int) -> None:
-        self._anchors += 1
-        super().anchor_queued(sources, iteration)
-
     def _hand_over(self, job: MergeJob | AnchorJob) -> None:
         if isinstance(job, AnchorJob):  # a base during a pause: the replica starts again there
             if self._held:  # the input it holds merged first: the keeper gives its slot back

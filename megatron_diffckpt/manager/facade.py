@@ -267,7 +267,7 @@ class DiffCheckpointManager:
         batch_size, diff_log = self.config.batch_size, True
         if self.config.auto_tune:
             self.tuner, full_interval, batch_size, diff_log = start_tuner(
-                self.config, self.dir, full_interval, self.recovered, self._replica_in_keeper
+                self.config, self.dir, full_interval, self.recovered
             )
             self.full_interval = full_interval
         plus = self.config.mode == "lowdiff-plus"

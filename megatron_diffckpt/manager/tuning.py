@@ -24,11 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def start_tuner(
-    config: DiffCkptConfig,
-    diff_dir: str,
-    full_interval: int,
-    recovered: Recovered | None,
-    replica_in_keeper: bool = False,
+    config: DiffCkptConfig, diff_dir: str, full_interval: int, recovered: Recovered | None
 ) -> tuple[OnlineTuner, int, int, bool]:
     """The tuner of this run, and the F, B and diff log to start with: the run's last decision
     (``diff_dir``), else ``full_interval`` and ``--diffckpt-batch-size``; its bound on
@@ -41,8 +37,7 @@ def start_tuner(
         diff_log = decided.diff_log
         merge_wait_ms = decided.merge_wait_ms
     plus = config.mode == "lowdiff-plus"
-    # the keeper's replica pauses its log with its merges: the tuner bounds only a rank's own
-    bound = plus and not replica_in_keeper and not config.options.max_merge_wait_ms
+    bound = plus and not config.options.max_merge_wait_ms  # the user's bound stays as it is
     settings = TunerSettings(
         mtbf_s=config.mtbf_hours * 3600.0,
         host_memory_budget=config.options.host_memory_budget * 2.0**20,
