@@ -189,6 +189,8 @@ def _print_keeper(k: dict) -> None:
         )
     for r in k.get("replicas", []):
         also = f", holds the input of {r['held']}" if r["held"] is not None else ""
+        if r.get("logged_only") is not None:  # max_merge_wait_ms: merges skipped to the next base
+            also += f", merges paused until the next base (logged to {r['logged_only']})"
         if r.get("durable") is not None:  # the diff log the keeper writes for the rank
             also += f", its diff log durable to {r['durable']}"
         print(

@@ -336,7 +336,9 @@ def test_past_the_bound_with_the_keepers_log_every_iteration_is_still_logged(tmp
         assert merger.wait_idle(30)
         assert merger.merged_iteration == 0 and snapshotter._free.qsize() == 3
         (row,) = query(sock)["replicas"]
-        assert (row["merged"], row["held"]) == (0, None)
+        assert (row["merged"], row["held"], row["logged_only"]) == (0, None, 3)
+        shown = run_cli("inspect", str(tmp_path), "--keeper", sock).stdout
+        assert "replica at iteration 0, merges paused until the next base (logged to 3)" in shown
         assert merger._call({"op": "replica_log_flush"})["durable"] == 3
         records = scan_rank_log(str(tmp_path / "diffckpt" / IDENTITY.dirname()), IDENTITY, 0)
         assert [r.iteration for r in records.records] == [1, 2, 3]

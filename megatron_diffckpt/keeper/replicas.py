@@ -558,6 +558,7 @@ class HostedReplicas:
                     **dict(key),
                     "merged": r.merged,
                     "held": r.held.iteration if r.held else None,
+                    "logged_only": r.logged_only,
                     "bytes": r.nbytes,
                     "durable": r.log.writer.durable_iteration if r.log else None,
                     "system": "LowDiff" if r.rng is not None else "LowDiff+",
