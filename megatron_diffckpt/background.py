@@ -209,12 +209,16 @@ def helpers_die_with_this_rank() -> None:
     writer's results manager while Megatron-LM initializes, before this project's manager
     starts) and :func:`fork_server_dies_with_this_process`. In a helper that ``multiprocessing``
     started by *spawn* (it imports the script; megatron's checkpoint writer spawns its results
-    manager): die with the rank (spawned processes do not run the rank's fork hooks). In the
-    fork server or a process it forked: nothing more (the server's preload did it). (A helper's
-    ``sys.argv`` is the parent's while it imports the script; its own command line is
-    ``sys.orig_argv``.)"""
+    manager, megatron-core 0.16 its persistent checkpoint worker): die with the rank, and so do
+    the processes the helper forks (a spawned interpreter has none of the rank's fork hooks; the
+    persistent worker forks the file writers, which wait on queues whose other end died with the
+    worker and would otherwise wait forever, holding the rank's resource tracker and its
+    semaphores). In the fork server or a process it forked: nothing more (the server's preload
+    did it). (A helper's ``sys.argv`` is the parent's while it imports the script; its own
+    command line is ``sys.orig_argv``.)"""
     if "--multiprocessing-fork" in getattr(sys, "orig_argv", ()):
         die_with_parent()
+        children_die_with_this_process()
     elif not in_fork_server():
         children_die_with_this_process()
         fork_server_dies_with_this_process()
