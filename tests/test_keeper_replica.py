@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import re
 import signal
@@ -46,7 +47,7 @@ from test_keeper import (
 from megatron_diffckpt.capture import record_grads, set_step_inputs
 from megatron_diffckpt.errors import DiffCkptUsageError
 from megatron_diffckpt.keeper.client import KeeperClient, query, stop
-from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger
+from megatron_diffckpt.keeper.replica_client import KeeperReplicaMerger, recover_from_keepers
 from megatron_diffckpt.keeper.replicas import HostedReplica, HostedReplicas, ReplicaLog
 from megatron_diffckpt.keeper.server import KeeperState
 from megatron_diffckpt.keeper.shm import shared_memory_root
@@ -315,13 +316,14 @@ def test_past_the_bound_a_hand_over_pauses_the_snapshots_until_a_base_re_anchors
         merger.close()
 
 
-def test_past_the_bound_with_the_keepers_log_every_iteration_is_still_logged(tmp_path):
+def test_past_the_bound_with_the_keepers_log_every_iteration_is_still_logged(tmp_path, caplog):
     """``max_merge_wait_ms`` with the replica and the diff log in the keeper: with the keeper
     stopped, iteration 2's first reduction waits 0.2 s for the hand-over of 1, then skips the
     keeper's merges (``on_full``) instead of pausing: 2 and 3 are snapshotted and handed over
     to be logged only. Once the keeper runs again, every slot comes back, the log holds 1-3
-    (replaying to training bit for bit) while the replica stays at 0 and offers nothing, and
-    a base at 3 re-anchors it: 4 is merged again and the replica follows training exactly."""
+    (replaying to training bit for bit) while the replica stays at 0 and offers nothing (a
+    recovery says why it goes to storage), and a base at 3 re-anchors it: 4 is merged again
+    and the replica follows training exactly."""
     spec = {**_log_spec(tmp_path / "diffckpt"), "identity": asdict(IDENTITY)}
     with _rank_against_a_keeper(tmp_path, log=spec) as (proc, sock, merger, snapshotter, train):
         snapshotter.max_wait_s = 0.2
@@ -339,6 +341,12 @@ def test_past_the_bound_with_the_keepers_log_every_iteration_is_still_logged(tmp
         assert (row["merged"], row["held"], row["logged_only"]) == (0, None, 3)
         shown = run_cli("inspect", str(tmp_path), "--keeper", sock).stdout
         assert "replica at iteration 0, merges paused until the next base (logged to 3)" in shown
+        caplog.set_level(logging.INFO)
+        with contextlib.closing(KeeperClient(sock, IDENTITY)) as client:
+            args = (client, [train], lambda: None, None, lambda values, **_: values)
+            assert recover_from_keepers(*args) is None
+        paused = "the node keepers' replicas merge nothing until the next base"
+        assert f"recovery: {paused}" in caplog.text and "hold no replica" not in caplog.text
         assert merger._call({"op": "replica_log_flush"})["durable"] == 3
         records = scan_rank_log(str(tmp_path / "diffckpt" / IDENTITY.dirname()), IDENTITY, 0)
         assert [r.iteration for r in records.records] == [1, 2, 3]
@@ -597,6 +605,7 @@ def test_a_keeper_slower_than_training_pauses_until_the_next_base_and_recovery_s
                      r"from the training state", first), first[-4000:]  # fmt: skip
     assert re.search(r"merge backlog: \d+ \(not merged until the next base\) \|", first)
     restart = log[log.index("base of iteration 8 published") :]
+    assert "the node keepers hold no replica" not in restart, restart[-4000:]  # paused, or behind
     got = re.search(r"recovery: iteration (\d+) from the replica in the node's keeper", restart)
     if got is None:  # the keepers' replicas not anchored to base 8 yet, or apart: storage
         got = re.search(r"recovering to iteration (\d+)", restart)

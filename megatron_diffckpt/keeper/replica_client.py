@@ -337,9 +337,19 @@ def recover_from_keepers(
     if ceiling is not None:
         high = min(high, ceiling)
     # every rank reaches T = MIN(high) when every rank holds one and MAX(low) <= T: one MIN
-    target, minus_low, everyone = all_reduce_min([high, -low, int(held is not None)])
+    unpaused = int(held is None or held.get("logged_only") is None)
+    target, minus_low, everyone, merging = all_reduce_min(
+        [high, -low, int(held is not None), unpaused]
+    )
     if not (everyone and target >= max(floor, 0) and -minus_low <= target):
-        if target < 0:
+        if target < 0 and everyone and not merging:
+            logger.info(
+                "recovery: the node keepers' replicas merge nothing until the next base (a "
+                "hand-over took longer than max_merge_wait_ms; the diff log went on): "
+                "recovering from %s",
+                fallback,
+            )
+        elif target < 0:
             logger.info("recovery: the node keepers hold no replica: recovering from %s", fallback)
         else:
             logger.info(

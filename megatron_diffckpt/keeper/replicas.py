@@ -175,6 +175,7 @@ class HostedReplicas:
             low, high = replica.offer()
             records = replica.record + (replica.held.record if replica.held else b"")
             doc = {"low": low, "high": high, "merged": replica.merged, "tier": replica.tier}
+            doc["logged_only"] = replica.logged_only  # paused until the next base: offers none
             doc.update(optimizers=replica.description, residuals=replica.residuals)
             return {"replica": doc}, records
         else:
