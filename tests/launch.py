@@ -157,13 +157,18 @@ def _rank_of(p: psutil.Process) -> int | None:
         return None
 
 
-def outliving_a_killed_rank(script: Path, args: list[str], ready: Callable[[], bool]) -> list[str]:
+def outliving_a_killed_rank(
+    script: Path, args: list[str], ready: Callable[[], bool], helpers_at_work: bool = False
+) -> list[str]:
     """Run ``script`` on 2 ranks under plain ``torchrun`` (not the node launcher, which reaps
-    orphans itself) until ``ready()``, SIGKILL the rank with ``RANK=1`` (found by its
-    environment, not by its place in a process list), let torchrun stop the other rank and
-    exit, wait 10 s: the command lines of the processes that ever ran below torchrun and are
-    still alive (killed, so the machine stays clean for the next test), and the named
-    semaphores (``sem.mp-*`` in /dev/shm) the job created and nothing removed (removed too)."""
+    orphans itself) until ``ready()`` (and, with ``helpers_at_work``, until a helper of the
+    rank with ``RANK=1`` has a process of its own: megatron-core 0.16's persistent checkpoint
+    worker forking its file writers, 0.19's fork server and the worker it forked), SIGKILL that
+    rank (found by its environment, not by its place in a process list), let torchrun stop the
+    other rank and exit, wait 10 s: the command lines of the processes that ever ran below
+    torchrun and are still alive (killed, so the machine stays clean for the next test), and the
+    named semaphores (``sem.mp-*`` in /dev/shm) the job created and nothing removed (removed
+    too)."""
     semaphores = set(Path("/dev/shm").glob("sem.mp-*"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     torchrun = subprocess.Popen(
@@ -177,16 +182,28 @@ def outliving_a_killed_rank(script: Path, args: list[str], ready: Callable[[], b
             with contextlib.suppress(psutil.NoSuchProcess):
                 seen.setdefault(p.pid, p.create_time())
 
+    def rank_1() -> psutil.Process | None:
+        return next((p for p in psutil.Process(torchrun.pid).children() if _rank_of(p) == 1), None)
+
+    def at_work() -> bool:  # a helper multiprocessing started (spawn, fork server) has a child
+        rank = rank_1()
+        with contextlib.suppress(psutil.Error):
+            for helper in [] if rank is None else rank.children():
+                line = " ".join(helper.cmdline())
+                if "multiprocessing.spawn" in line or "multiprocessing.forkserver" in line:
+                    if helper.children():
+                        return True
+        return False
+
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
-        while not ready():
+        while not (ready() and (not helpers_at_work or at_work())):
             assert torchrun.poll() is None, "training ended early"
             assert time.monotonic() < deadline, "training never got ready"
             look()
-            time.sleep(0.02)
+            time.sleep(0.005 if helpers_at_work else 0.02)
         look()
-        victim = next(p for p in psutil.Process(torchrun.pid).children() if _rank_of(p) == 1)
-        victim.send_signal(signal.SIGKILL)
+        rank_1().send_signal(signal.SIGKILL)
         torchrun.wait(RUN_TIMEOUT_S)
     finally:
         if torchrun.poll() is None:

@@ -785,11 +785,13 @@ def test_no_process_of_a_killed_job_with_asynchronous_saves_outlives_torchrun(tm
     """Megatron-LM's loop, LowDiff, asynchronous saves through Megatron-LM's persistent worker
     (megatron-core 0.19 forks it from ``multiprocessing``'s fork server, and forks its writer's
     results manager while Megatron-LM initializes, before the manager starts), under plain
-    torchrun: rank 1 SIGKILLed once base 4 is published. 10 s after torchrun exits nothing the
-    job started is alive (the fork server and the worker included), and the named semaphores
-    of the worker's queues are gone from /dev/shm (the ranks' resource trackers removed them)."""
+    torchrun: rank 1 SIGKILLed once base 4 is published, while its worker has a process of its
+    own (0.16: a file writer the worker forked, which outlived the worker before and waited on
+    its queues forever; 0.19: the worker). 10 s after torchrun exits nothing the job started is
+    alive (the fork server and the worker included), and the named semaphores of the worker's
+    queues are gone from /dev/shm (the ranks' resource trackers removed them)."""
     ckpt = tmp_path / "ckpt"
     args = [*GPT, *ASYNC_SAVE.split(), "--train-iters", "1000", "--save", str(ckpt)]
     args += ["--save-interval", "2", "--diffckpt-mode", "lowdiff"]
-    left = outliving_a_killed_rank(SCRIPT, args, tracker_at(ckpt, 4))
+    left = outliving_a_killed_rank(SCRIPT, args, tracker_at(ckpt, 4), helpers_at_work=True)
     assert not left, f"{len(left)} process(es) or semaphore(s) of the killed job left: {left}"
