@@ -174,8 +174,9 @@ def measure(work: Path, size: str, repeats: int | None, with_pp2: bool) -> dict:
         diffs = diff_times(text)
         if name.startswith("plus") and diffs:
             direct[name].append(statistics.median(measured(diffs, total)))
-        if name.startswith("plus"):  # each run's: one run's ratio moves by a third or more
-            ratios[name].append(_merge_over_training(_traces(ckpt)["cpu"]))
+        traces = _traces(ckpt) if name.startswith("plus") else {}
+        if traces:  # each run's: one run's ratio moves by a third or more
+            ratios[name].append(_merge_over_training(traces["cpu"]))
         print(
             f"{size} round {round_ + 1}/{repeats} {name:12s} median {med[name][-1] * 1000:8.1f} "
             f"ms mean {mean[name][-1] * 1000:8.1f} ms peak PSS {pss / 2**20:7.0f} MiB",
@@ -183,7 +184,7 @@ def measure(work: Path, size: str, repeats: int | None, with_pp2: bool) -> dict:
         )
         if round_ == 0 and name.startswith("plus"):
             extra[name] = {
-                **_traces(ckpt),
+                **traces,
                 "diff_log_bytes_per_iteration_per_rank": sum(
                     folder_bytes(d) for d in (ckpt / "diffckpt").glob("rank_*")
                 )
