@@ -12,6 +12,8 @@ diff size ``s``             bytes the writer wrote per record
 write bandwidth, latency    per segment: the time spent writing its bytes, and the rest (fsync,
                             rename, folder fsync) as the fixed cost ``L``
 base stall ``c_b``          training blocked by a base save (the training loop reports)
+paused intervals            LowDiff+: how many base intervals in a row its merges paused in
+                            (``max_merge_wait_ms``), to drop a replica that buys nothing
 base persist ``p``          from a base's save to its publication
 base load ``l``, replay     measured at recovery when this run recovered; otherwise estimated as
 ``r``                       ``p`` (reading a base costs about what writing it did) and the
@@ -72,6 +74,18 @@ class TunerSettings:
     wait for the merger (:meth:`OnlineTuner.propose`), where
     waiting for it every iteration costs more than pausing it until the next base. One way:
     once bounded, bounded for the run."""
+    drop_replica: bool = False
+    """LowDiff+ with its replica in the rank and the diff log: the tuner may drop the replica
+    where the merges paused in each of the newest :data:`PAUSED_BASES_TO_DROP` base intervals
+    (:meth:`OnlineTuner.propose`). One way: once dropped, dropped for the run."""
+
+
+PAUSED_BASES_TO_DROP = 2
+"""LowDiff+ drops its replica once its merges paused (``max_merge_wait_ms``) in this many base
+intervals in a row: every base of theirs was staged from the training state, so the replica made
+none of them, and it cost the bound's wait once per interval, an anchor copy per base and the
+merge's CPU. Two, not one: a single pause may be a passing slowdown (a base's persist, another
+job on the host)."""
 
 
 DECISION_FILE = "autotune.json"
@@ -90,6 +104,8 @@ class Decision:
     merge_wait_ms: int = 0
     """LowDiff+'s bound on training's wait for its merger (0: none), as
     ``--diffckpt-option max_merge_wait_ms``."""
+    replica: bool = True
+    """LowDiff+ keeps its replica (``False``: dropped, bases staged from the training state)."""
 
 
 def load_decision(diff_dir: str) -> Decision | None:
@@ -106,13 +122,15 @@ def load_decision(diff_dir: str) -> Decision | None:
         state.get("diff_log", True),
         state["iteration"],
         state.get("merge_wait_ms", 0),
+        state.get("replica", True),
     )
     logger.info(
-        "auto-tune: resuming with F %d, B %d%s%s (decided at iteration %d)",
+        "auto-tune: resuming with F %d, B %d%s%s%s (decided at iteration %d)",
         decision.full_interval,
         decision.batch_size,
         "" if decision.diff_log else ", LowDiff+ bases only",
         f", merge wait bounded at {decision.merge_wait_ms} ms" if decision.merge_wait_ms else "",
+        "" if decision.replica else ", LowDiff+ without a replica",
         decision.iteration,
     )
     return decision
@@ -127,6 +145,7 @@ def save_decision(diff_dir: str, decision: Decision) -> None:
             "diff_log": decision.diff_log,
             "iteration": decision.iteration,
             "merge_wait_ms": decision.merge_wait_ms,
+            "replica": decision.replica,
         }
     ).encode()
     publish_file(os.path.join(diff_dir, DECISION_FILE), lambda f: f.write(data))
@@ -142,6 +161,7 @@ class OnlineTuner:
         batch_size: int,
         diff_log: bool = True,
         merge_wait_ms: int = 0,
+        replica: bool = True,
     ):
         self.settings = settings
         self.full_interval = full_interval
@@ -164,6 +184,10 @@ class OnlineTuner:
         """Whether differentials are written (LowDiff+ may turn the log off)."""
         self.merge_wait_ms = merge_wait_ms
         """LowDiff+'s bound on training's wait for its merger, 0 while unbounded."""
+        self.replica = replica
+        """Whether LowDiff+ keeps its replica (the tuner may drop it)."""
+        self.paused_bases = 0
+        """LowDiff+: the newest base intervals in a row in which the merges paused."""
 
     # -- measurements ------------------------------------------------------------------------
 
@@ -186,6 +210,11 @@ class OnlineTuner:
     def observe_base(self, stall_s: float, persist_s: float) -> None:
         self._base_stall_s.append(stall_s)
         self._base_persist_s.append(persist_s)
+
+    def observe_paused_bases(self, intervals: int) -> None:
+        """LowDiff+: the merges paused (``max_merge_wait_ms``) in each of the newest
+        ``intervals`` base intervals, and not in the one before."""
+        self.paused_bases = intervals
 
     def observe_recovery(
         self, base_load_s: float, replay_s_per_diff: float | None, restart_s: float
@@ -247,14 +276,21 @@ class OnlineTuner:
             return step
         return step + statistics.median(self._diff_bytes) / bandwidth
 
-    def propose(self, iteration: int) -> tuple[int, int, int, int]:
-        """The (F, B, diff log on, merge wait bound in ms) the recent measurements call for (the
-        current ones until enough exist). Logs the decision and the numbers behind it."""
-        current = (self.full_interval, self.batch_size, int(self.diff_log), self.merge_wait_ms)
+    def propose(self, iteration: int) -> tuple[int, int, int, int, int]:
+        """The (F, B, diff log on, merge wait bound in ms, replica kept) the recent measurements
+        call for (the current ones until enough exist). Logs the decision and the numbers
+        behind it."""
+        current = (
+            self.full_interval,
+            self.batch_size,
+            int(self.diff_log),
+            self.merge_wait_ms,
+            int(self.replica),
+        )
         inputs = self.inputs()
         if inputs is None:
             return current
-        keep, choice, bound_ms = True, "", self.merge_wait_ms
+        keep, choice, bound_ms, replica = True, "", self.merge_wait_ms, self.replica
         if self.settings.plus:
             plans = lowdiff_plus_plans(inputs, max_interval=self.settings.max_interval)
             keep = self.diff_log and lowdiff_plus_choice(inputs, plans) == LOWDIFF_PLUS_LOG
@@ -270,6 +306,12 @@ class OnlineTuner:
                 choice += (
                     f"; training's wait for the merger bounded at {bound_ms} ms (waiting costs "
                     f"{1000 * inputs.merge_wait_s:.1f} ms per iteration)"
+                )
+            if replica and keep and self._drops_replica():
+                replica = False
+                choice += (
+                    f"; LowDiff+ drops its replica (the merges paused in each of the last "
+                    f"{self.paused_bases} base intervals)"
                 )
         else:
             plan = optimize(inputs, max_interval=self.settings.max_interval)
@@ -300,7 +342,13 @@ class OnlineTuner:
             inputs.restart_s,
             inputs.mtbf_s / 3600,
         )
-        return plan.full_interval, plan.batch_size, int(keep), bound_ms
+        return plan.full_interval, plan.batch_size, int(keep), bound_ms, int(replica)
+
+    def _drops_replica(self) -> bool:
+        """Whether to drop LowDiff+'s replica: allowed (:attr:`TunerSettings.drop_replica`),
+        and the merges paused in each of the newest :data:`PAUSED_BASES_TO_DROP` base
+        intervals, so its bases were all staged from the training state."""
+        return self.settings.drop_replica and self.paused_bases >= PAUSED_BASES_TO_DROP
 
     def _bounded_plan(
         self, inputs: CostInputs, plan: Plan, planner: Callable[..., Plan] | None
@@ -332,10 +380,16 @@ class OnlineTuner:
         return bounded, bound_ms
 
     def apply(
-        self, full_interval: int, batch_size: int, diff_log: bool = True, merge_wait_ms: int = 0
+        self,
+        full_interval: int,
+        batch_size: int,
+        diff_log: bool = True,
+        merge_wait_ms: int = 0,
+        replica: bool = True,
     ) -> None:
-        """Adopt the (F, B, diff log on, merge wait bound) every rank agreed on. The log's
-        stop and the bound are one way."""
+        """Adopt the (F, B, diff log on, merge wait bound, replica kept) every rank agreed on.
+        The log's stop, the bound and the replica's drop are one way."""
         self.full_interval, self.batch_size = full_interval, batch_size
         self.diff_log = self.diff_log and diff_log
         self.merge_wait_ms = self.merge_wait_ms or merge_wait_ms
+        self.replica = self.replica and replica

@@ -47,6 +47,12 @@ class DiffCkptOptions:
     retune_interval: int = 50
     """Iterations between auto-tune decisions."""
 
+    max_full_interval: int = 0
+    """--diffckpt-auto-tune: the longest F (iterations between bases) the tuner may choose; 0:
+    as long as the cost model finds best. A cap bounds what a base interval keeps on storage
+    (F differentials per rank, retained until the next base) and the replay a restart from
+    storage may need."""
+
     buffered_io: bool = False
     """Write diff-log segments through the page cache. By default they are written with direct
     I/O (O_DIRECT) wherever the filesystem takes it: no copy into the page cache and no
@@ -100,8 +106,9 @@ class DiffCkptOptions:
         for name in ("max_pending", "host_memory_budget", "retune_interval", "collective_timeout"):
             if getattr(self, name) < 1:
                 raise DiffCkptUsageError(f"--diffckpt-option {name} must be >= 1")
-        if self.max_merge_wait_ms < 0:
-            raise DiffCkptUsageError("--diffckpt-option max_merge_wait_ms must be >= 0")
+        for name in ("max_merge_wait_ms", "max_full_interval"):
+            if getattr(self, name) < 0:
+                raise DiffCkptUsageError(f"--diffckpt-option {name} must be >= 0")
 
     @classmethod
     def parse(cls, items: list[str] | None) -> DiffCkptOptions:
@@ -216,7 +223,7 @@ class DiffCkptConfig:
     options: DiffCkptOptions = field(default_factory=DiffCkptOptions)
     """NAME=VALUE[,NAME=VALUE] (repeatable): fine-grained settings for tests, benchmarks and
     experts, each documented in the flag reference: max_pending, host_memory_budget,
-    retune_interval, buffered_io, diff_log, keeper_kept_bases, keeper_writes_log,
+    retune_interval, max_full_interval, buffered_io, diff_log, keeper_kept_bases, keeper_writes_log,
     keeper_replica, keeper_writes_bases, collective_timeout, max_merge_wait_ms."""
 
     def __post_init__(self) -> None:
@@ -284,6 +291,11 @@ class DiffCkptConfig:
                 "--diffckpt-option keeper_replica=true is for lowdiff-plus without "
                 "--diffckpt-auto-tune (the keeper writes the diff log; the tuner measures the "
                 "ranks' writer)"
+            )
+        if o.max_full_interval and not self.auto_tune:
+            return (
+                "--diffckpt-option max_full_interval caps the auto-tuner's F: add "
+                "--diffckpt-auto-tune (or set --diffckpt-full-interval yourself)"
             )
         if o.max_merge_wait_ms and not plus:
             return "--diffckpt-option max_merge_wait_ms is for --diffckpt-mode lowdiff-plus"

@@ -345,6 +345,7 @@ class ReplicaMerger(QueuedMerges):
         # the record's gradients need not be copied out of it first
         self.capture = GradShardCapture(copy=writer is None or not writer.serialise_at_append)
         self.optimizers: list[torch.optim.Optimizer | None] = []
+        self._shapes: list[torch.optim.Optimizer | None] | None = None  # replica dropped
         self._holders = threading.Lock()  # the jobs' holders and claims, and _queued
         self._queued: dict[int, MergeJob] = {}  # jobs whose merger's hold is not yet taken
         super().__init__("diffckpt-merger", self._merge_job, self._merge_dropped)
@@ -381,12 +382,37 @@ class ReplicaMerger(QueuedMerges):
         self.optimizers = refresh_replicas(torch_optimizers, self.optimizers)
         self._set_merged(iteration)
 
-    def wait_merged(self, iteration: int) -> float:
-        """Block until ``iteration`` is merged; returns the seconds waited."""
+    def drop_replica(
+        self, training_optimizers: list[torch.optim.Optimizer | None], iteration: int
+    ) -> None:
+        """Merge nothing more for the rest of the run, the jobs queued included (as
+        :meth:`skip_merges`, with no anchor ever queued again: one queued before this call is not
+        applied either), and let the replica go: its memory is freed once a step in progress
+        ends. The diff log goes on, reading the parameters' shapes from
+        ``training_optimizers``. ``iteration``: the newest submitted (the merged iteration, for
+        the waiters, when nothing is queued). The training thread."""
+        self._shapes = training_optimizers
+        self.optimizers = []
+        self.skip_merges()
+        if self._worker.join(0.0):  # idle: nothing will move the merged iteration on
+            self._set_merged(iteration)
+
+    @property
+    def has_replica(self) -> bool:
+        """Whether the replica is kept (:meth:`drop_replica` was not called)."""
+        return self._shapes is None
+
+    def wait_merged(self, iteration: int, timeout: float | None = None) -> float:
+        """Block until ``iteration`` is merged, at most ``timeout`` seconds (``None``: as long
+        as it takes); returns the seconds waited."""
         start = time.perf_counter()
+        deadline = None if timeout is None else start + timeout
         with self._cond:
             while self._merged < iteration and self._error is None:
-                self._cond.wait(0.5)
+                left = 0.5 if deadline is None else min(0.5, deadline - time.perf_counter())
+                if left <= 0:
+                    break
+                self._cond.wait(left)
         self._raise_background_error()
         return time.perf_counter() - start
 
@@ -427,8 +453,11 @@ class ReplicaMerger(QueuedMerges):
                 if not job.inputs.skipped:
                     if job.slot is None:
                         raise RuntimeError(f"iteration {job.iteration} stepped without snapshots")
+                    # drop_replica sets _shapes before it empties optimizers: read in reverse
+                    shapes, dropped = self.optimizers, self._shapes
+                    shapes = shapes if dropped is None else dropped
                     for i, grads in step_inputs(
-                        self.optimizers, self.layout, job.slot.buffers, job.slot.filled,
+                        shapes, self.layout, job.slot.buffers, job.slot.filled,
                         job.inputs, job.iteration,
                     ):  # fmt: skip
                         self.capture.on_grads(i, job.inputs.groups, grads)
@@ -471,7 +500,9 @@ class ReplicaMerger(QueuedMerges):
     def _merge_job(self, job: MergeJob | AnchorJob) -> None:
         start = time.perf_counter()
         if isinstance(job, AnchorJob):
-            self.optimizers = refresh_replicas(job.sources, self.optimizers)
+            replicas = self.optimizers
+            if replicas:  # in place; else dropped after this anchor was queued
+                refresh_replicas(job.sources, replicas)
         else:
             self._merge(job)
         self.merge_seconds += time.perf_counter() - start

@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import replace
 
 import pytest
-from launch import TINY_GPT, assert_same_state, load_dumps, recovered_iteration, run_gpt
+from launch import (
+    TINY_GPT,
+    assert_same_state,
+    load_dumps,
+    recovered_iteration,
+    run_gpt,
+    run_until_killed,
+)
 
-from megatron_diffckpt.autotune import OnlineTuner, TunerSettings
+from megatron_diffckpt.autotune import (
+    DECISION_FILE,
+    PAUSED_BASES_TO_DROP,
+    Decision,
+    OnlineTuner,
+    TunerSettings,
+    load_decision,
+    save_decision,
+)
 from megatron_diffckpt.tuning import CostInputs, optimize
 
 # rank, first iteration of a pause of LowDiff+'s merger (max_merge_wait_ms)
@@ -50,13 +66,13 @@ def test_recovery_measurements_replace_the_estimates():
 def test_proposal_is_the_cost_models_optimum():
     tuner = _fed_tuner()
     expected = optimize(tuner.inputs())
-    assert tuner.propose(50) == (expected.full_interval, expected.batch_size, 1, 0)
+    assert tuner.propose(50) == (expected.full_interval, expected.batch_size, 1, 0, 1)
     assert tuner.last_plan == expected
 
 
 def test_no_proposal_without_measurements():
     tuner = OnlineTuner(SETTINGS, full_interval=100, batch_size=4)
-    assert tuner.propose(50) == (100, 4, 1, 0)
+    assert tuner.propose(50) == (100, 4, 1, 0, 1)
     assert tuner.inputs() is None
     for _ in range(10):  # iterations and writes, but no base yet: its cost is not assumed
         tuner.observe_iteration(1.0, 0.02, 0.05)
@@ -72,7 +88,7 @@ def test_a_slow_writer_gets_bigger_batches():
         tuner.observe_iteration(1.0, 0.02, 0.05)
         tuner.observe_write(records=1, nbytes=1_000_000, write_s=0.01, sync_s=3.0)
     tuner.observe_base(stall_s=5.0, persist_s=20.0)
-    _, batch, _, _ = tuner.propose(10)
+    _, batch, *_ = tuner.propose(10)
     inputs: CostInputs = tuner.inputs()
     assert batch > 1
     assert (inputs.write_latency_s + batch * 0.01) / batch <= inputs.iteration_s + 0.02
@@ -95,7 +111,7 @@ def test_lowdiff_plus_turns_the_diff_log_off_only_where_storage_cannot_take_it()
     fast = _plus_tuner(write_s=0.5)  # 7 GB/s: the log keeps up
     assert fast.propose(50)[2] == 1
     slow = _plus_tuner(write_s=2.8)  # 1.25 GB/s: 2.85 s to write what 2 s of training make
-    full_interval, _, diff_log, _ = slow.propose(50)
+    full_interval, _, diff_log, *_ = slow.propose(50)
     assert diff_log == 0 and full_interval == 5  # bases as often as they persist (10 s / 2 s)
     # Replay is an optimizer step plus reading the differential back.
     assert slow.inputs().replay_s == pytest.approx(0.05 + 2.8)
@@ -111,7 +127,7 @@ def test_lowdiff_plus_counts_the_wait_for_its_merger_with_the_log_and_without():
     for i in range(tuner.settings.window):  # the window: only these count
         tuner.observe_iteration(2.0, 0.001, 0.05, merge_wait_s=0.6 if i % 2 else 0.0)
     assert tuner.inputs().merge_wait_s == pytest.approx(0.3)
-    full_interval, _, diff_log, _ = tuner.propose(50)
+    full_interval, _, diff_log, *_ = tuner.propose(50)
     assert diff_log == 0 and tuner.last_plan.step_s >= 2.0 + 0.3
     assert tuner.last_plan.overhead >= 0.15
     quiet = _plus_tuner(write_s=2.8)
@@ -132,7 +148,7 @@ def test_lowdiff_plus_bounds_the_wait_for_a_merger_that_cannot_keep_up():
     measures next (its waits are the bound's, once per pause)."""
     tuner = _lagging(_plus_tuner(write_s=0.5, bound_merge_wait=True), 0.6)
     unbounded = _lagging(_plus_tuner(write_s=0.5), 0.6)  # the user's bound, or the keeper's
-    f, _, diff_log, bound_ms = tuner.propose(50)
+    f, _, diff_log, bound_ms, _ = tuner.propose(50)
     assert (diff_log, bound_ms) == (1, 300)
     assert tuner.last_plan.step_s < 2.0 + 0.01  # no wait every iteration
     assert unbounded.propose(50)[3] == 0 and unbounded.last_plan.step_s >= 2.0 + 0.3
@@ -150,6 +166,48 @@ def test_lowdiff_plus_leaves_a_merger_that_keeps_up_unbounded():
     assert _plus_tuner(write_s=0.5, bound_merge_wait=True).propose(50)[3] == 0
     rare = _lagging(_plus_tuner(write_s=0.5, bound_merge_wait=True), 0.01, every=50)
     assert rare.propose(50)[3] == 0
+
+
+def test_lowdiff_plus_drops_a_replica_whose_merges_paused_in_two_base_intervals_in_a_row():
+    """Bounded, the merger paused in the newest base interval: kept (one pause may pass); in
+    the two newest: dropped, with the log on. Never where the settings forbid it (the keeper's
+    replica), nor together with the log's stop (bases only needs the replica's bases). One way,
+    and saved with the decision for a restart."""
+    tuner = _lagging(_plus_tuner(write_s=0.5, bound_merge_wait=True), 0.6)
+    tuner.settings = replace(tuner.settings, drop_replica=True)
+    f, b, log, bound_ms, kept = tuner.propose(50)
+    assert (log, kept) == (1, 1) and bound_ms > 0
+    tuner.apply(f, b, True, bound_ms)
+    tuner.observe_paused_bases(1)
+    assert tuner.propose(60)[4] == 1
+    tuner.observe_paused_bases(PAUSED_BASES_TO_DROP)
+    assert tuner.propose(70)[4] == 0
+    keeper = _lagging(_plus_tuner(write_s=0.5, bound_merge_wait=True), 0.6)  # drop_replica off
+    keeper.observe_paused_bases(5)
+    assert keeper.propose(70)[4] == 1
+    slow = _plus_tuner(write_s=2.8)  # the log goes: the replica stays
+    slow.settings = replace(slow.settings, drop_replica=True)
+    slow.observe_paused_bases(5)
+    assert slow.propose(50)[2:5:2] == (0, 1)
+    tuner.apply(f, b, True, bound_ms, replica=False)
+    tuner.observe_paused_bases(0)
+    assert not tuner.replica and tuner.propose(80)[4] == 0
+    tuner.apply(f, b, True, bound_ms, replica=True)
+    assert not tuner.replica
+
+
+def test_a_decision_without_the_replica_is_saved_and_resumed(tmp_path, caplog):
+    save_decision(str(tmp_path), Decision(7, 2, True, 40, 150, replica=False))
+    with caplog.at_level(logging.INFO):
+        decided = load_decision(str(tmp_path))
+    assert decided == Decision(7, 2, True, 40, 150, False)
+    assert "merge wait bounded at 150 ms, LowDiff+ without a replica" in caplog.text
+    older = tmp_path / "older"  # a decision file written before the replica was a choice
+    older.mkdir()
+    (older / DECISION_FILE).write_text(
+        '{"full_interval": 7, "batch_size": 2, "diff_log": true, "iteration": 40}'
+    )
+    assert load_decision(str(older)).replica
 
 
 @pytest.mark.distributed
@@ -265,4 +323,64 @@ def test_lowdiff_plus_auto_tune_bounds_the_wait_for_a_slow_merger(tmp_path, monk
     plain, plus = load_dumps(tmp_path / "plain", 2), load_dumps(tmp_path / "plus", 2)
     for rank in range(2):
         assert plus[rank]["losses"] == plain[rank]["losses"]
+        assert_same_state(plain[rank], plus[rank], rank)
+
+
+@pytest.mark.distributed
+def test_lowdiff_plus_auto_tune_drops_a_replica_that_only_costs(tmp_path, monkeypatch):
+    """A real LowDiff+ run whose rank 0 merger sleeps 0.4 s per merge, with F capped at 6
+    (``max_full_interval``): the tuner bounds the wait at iteration 4, rank 0's merges then
+    pause in every base interval, and once they paused in two in a row the tuner drops the
+    replica on every rank (each says why, and what it freed); from then on nothing pauses, the
+    log line says there is no replica, and every base is staged from the training state. The
+    job, SIGKILLed after that, restarts without a replica (the decision was saved), recovers
+    past its newest base from the log written without one, and ends bit for bit where a run
+    without checkpointing ends."""
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv("DIFFCKPT_DELAY", "merge:0.4@0")
+    model = [
+        *TINY_GPT,
+        "--use-distributed-optimizer",
+        "--lr-decay-iters",
+        "100",
+        "--train-iters",
+        "36",
+    ]
+    common = [*model, "--save", str(ckpt), "--save-interval", "3", "--diffckpt-mode",
+              "lowdiff-plus", "--diffckpt-auto-tune", "--diffckpt-option",
+              "retune_interval=4,max_full_interval=6"]  # fmt: skip
+    log = run_until_killed(common, kill_after=30)
+    dropped = re.findall(
+        r"\[rank(\d)\].*auto-tune at iteration (\d+): LowDiff\+ drops its replica \((this "
+        r"rank's|another rank's) merges paused in each of its last 2 base intervals.*; "
+        r"([\d.]+) MB of host memory freed",
+        log,
+    )
+    assert sorted(m[0] for m in dropped) == ["0", "1"], log[-5000:]
+    assert {m[2] for m in dropped} == {"this rank's", "another rank's"}
+    at = int(dropped[0][1])
+    assert all(int(m[1]) == at for m in dropped) and all(float(m[3]) > 0 for m in dropped)
+    assert re.search(
+        rf"\[rank0\].*auto-tune at iteration {at}: F \d+ -> \d+, B \d+ -> \d+, "
+        r"merge wait bounded at \d+ ms, LowDiff\+ without a replica \(agreed",
+        log,
+    )
+    paused = [int(m[1]) for m in re.findall(PAUSED, log) if m[0] == "0"]
+    assert len(paused) >= 2 and max(paused) <= at, log[-5000:]  # none after the drop
+    assert re.search(
+        r"\[rank0\].* iteration +(2\d|30)/ .*\| merge backlog: none \(no replica\) \|", log
+    )
+    state = json.loads((ckpt / "diffckpt" / "autotune.json").read_text())
+    assert (state["replica"], state["iteration"]) == (False, at)
+    newest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert newest > at
+    resumed = run_gpt(2, *common, "--load", str(ckpt), "--dump-state", str(tmp_path / "plus"))
+    out = resumed.stdout + resumed.stderr
+    assert f"LowDiff+ without a replica (decided at iteration {at})" in out, out[-3000:]
+    assert "no replica (the auto-tuner's decision): bases staged from the training state" in out
+    assert recovered_iteration(resumed) > newest  # replayed from the log written without one
+    monkeypatch.delenv("DIFFCKPT_DELAY")
+    run_gpt(2, *model, "--dump-state", str(tmp_path / "plain"))
+    plain, plus = load_dumps(tmp_path / "plain", 2), load_dumps(tmp_path / "plus", 2)
+    for rank in range(2):
         assert_same_state(plain[rank], plus[rank], rank)

@@ -90,6 +90,7 @@ def test_options_take_names_and_values_of_their_fields():
         ("no_such=1", "takes NAME=VALUE with NAME one of"),
         ("max_pending=two", "max_pending takes an integer; got 'two'"),
         ("max_pending=0", "max_pending must be >= 1"),
+        ("max_full_interval=-1", "max_full_interval must be >= 0"),
         ("buffered_io=auto", "buffered_io takes true, false; got 'auto'"),
         ("keeper_replica=maybe", "keeper_replica takes true, false or auto; got 'maybe'"),
     ],
@@ -180,6 +181,10 @@ def test_defaults_and_values():
         (
             {"mode": "lowdiff", "options": DiffCkptOptions(max_merge_wait_ms=100)},
             "max_merge_wait_ms is for --diffckpt-mode lowdiff-plus",
+        ),
+        (
+            {"mode": "lowdiff", "options": DiffCkptOptions(max_full_interval=6)},
+            "max_full_interval caps the auto-tuner's F: add --diffckpt-auto-tune",
         ),
         (
             {"mode": "lowdiff", "keeper": "off", "options": DiffCkptOptions(keeper_replica=True)},

@@ -222,6 +222,35 @@ def test_lowdiff_plus_flag_errors(tmp_path, flags, message):
 
 
 @pytest.mark.distributed
+def test_a_base_waits_for_a_slow_merger_at_most_the_bound(tmp_path, monkeypatch):
+    """Rank 0's merger sleeps 0.4 s per merge, a base every 2 iterations, with
+    ``max_merge_wait_ms=100``: base 2 comes before the merger has stepped iteration 1 and before
+    its 2 slots are full; the base waits at most the bound for it, then the merger skips to
+    that base (what it has not begun: iteration 1 is in its step), staged from the training
+    state (without the bound on the base's wait, every base
+    waited for the merger as long as it took). Training is that of a run without LowDiff+, bit
+    for bit, and the replica equals it at the end."""
+    args = [*COMMON, "--train-iters", "4"]
+    monkeypatch.setenv("DIFFCKPT_DELAY", "merge:0.4@0")
+    bounded = _plus(tmp_path / "ckpt", 2, "--diffckpt-option", "max_merge_wait_ms=100")
+    proc = run_gpt(2, *args, *bounded, "--dump-state", str(tmp_path / "plus"))
+    log = proc.stdout + proc.stderr
+    waited = re.search(r"\[rank0\].*LowDiff\+: the merger had not merged iteration 2 100 ms "
+                       r"into its base: iterations from [12] on are not merged until the next "
+                       r"base", log)  # fmt: skip
+    assert waited, log[-4000:]
+    assert re.search(r"\[rank0\].*iterations [12]-2 were not merged; the base of iteration 2 is "
+                     r"staged from the training state", log)  # fmt: skip
+    monkeypatch.delenv("DIFFCKPT_DELAY")
+    run_gpt(2, *args, "--dump-state", str(tmp_path / "plain"))
+    plain, plus = load_dumps(tmp_path / "plain", 2), load_dumps(tmp_path / "plus", 2)
+    for rank in range(2):
+        assert plus[rank]["losses"] == plain[rank]["losses"]
+        assert_same_state(plain[rank], plus[rank], rank)
+    _assert_replica_equals_training(tmp_path / "plus")
+
+
+@pytest.mark.distributed
 def test_a_merger_slower_than_training_skips_to_the_next_base_while_the_log_goes_on(
     tmp_path, monkeypatch
 ):

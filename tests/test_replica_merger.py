@@ -279,3 +279,57 @@ def test_past_the_bound_on_a_slot_wait_the_merger_skips_to_the_next_anchor_and_t
         merger.close()
         snap.close()
         writer.close()
+
+
+def test_a_dropped_replica_merges_nothing_more_and_the_log_goes_on(tmp_path, held):
+    """The auto-tuner's drop of the replica (:meth:`ReplicaMerger.drop_replica`): the merger is
+    held in its first step, holding one of 2 slots, with an anchor (a base staged in a pause)
+    queued behind iteration 2. Dropped then, the replica is let go at once, nothing queued or
+    submitted later is merged (the anchor included), every slot comes back as soon as the log
+    has read it (training goes on to 6 without waiting for the held merger), and every record
+    is the exact optimizer input, its parameters' shapes read from the training optimizer."""
+    identity = SegmentIdentity("run", 0, 0, 0, "l")
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=2)
+    writer = DiffLogWriter(str(tmp_path), identity, "none", 1, serialise_at_append=True)
+    merger = ReplicaMerger(LAYOUT, snap, writer)
+    merger.anchor([training], iteration=0)
+    full = []
+    snap.max_wait_s = 5.0  # a slot that does not come back fails the test, not hangs it
+    snap.on_full = lambda: full.append(True)
+    gen = torch.Generator().manual_seed(11)
+    expected = {}
+    try:
+        for it in range(1, 7):
+            if it == 3:
+                merger.anchor_queued(refresh_replicas([training], None), 2)
+                assert merger.has_replica
+                merger.drop_replica([training], 2)
+                assert not merger.has_replica and merger.optimizers == []
+            buckets = {k: torch.randn(n, generator=gen) for k, (n, _) in SHARDS.items()}
+            inputs = StepInputs(groups={"o0.g0": [1e-2, 0.1], "o0.g1": [1e-2, 0.0]})
+            for key, value in buckets.items():
+                snap.on_bucket_ready(key, value, None)
+            merger.submit(MergeJob(it, snap.finish_iteration(it), inputs, it, 0, ({}, {})))
+            expected[it] = {
+                f"o0.g{g}.p{k}:dense": buckets[w.bucket][w.start : w.end]
+                for g, group in enumerate(LAYOUT[0])
+                for k, w in enumerate(group)
+            }
+            _train_step(training, buckets, inputs)
+        merger.wait_logged()
+        assert not full  # no slot wait ran out: the held merger held none past the log
+        assert writer.flush() == 6
+        scan = scan_rank_log(writer.dir, identity, 0)
+        assert [r.iteration for r in scan.records] == [1, 2, 3, 4, 5, 6]
+        for record in scan.records:
+            for name, want in expected[record.iteration].items():
+                assert torch.equal(record.tensors[name], want), (record.iteration, name)
+        held.set()
+        merger.wait_merged(6)
+        assert merger.optimizers == []  # the anchor queued before the drop made no new replica
+    finally:
+        held.set()
+        merger.close()
+        snap.close()
+        writer.close()

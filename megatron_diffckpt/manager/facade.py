@@ -267,7 +267,7 @@ class DiffCheckpointManager:
         batch_size, diff_log = self.config.batch_size, True
         if self.config.auto_tune:
             self.tuner, full_interval, batch_size, diff_log = start_tuner(
-                self.config, self.dir, full_interval, self.recovered
+                self.config, self.dir, full_interval, self.recovered, self._replica_in_keeper
             )
             self.full_interval = full_interval
         plus = self.config.mode == "lowdiff-plus"
@@ -334,6 +334,7 @@ class DiffCheckpointManager:
                 keeper_log=keeper_log,
                 keeper_writes_bases=self.plan.writes_bases,
                 max_merge_wait_s=self._max_merge_wait_ms() / 1000.0 or None,
+                replica=self.tuner.replica if self.tuner is not None else True,
             )
             if in_keeper and replica is not None:
                 self.strategy.merger.resumed = replica

@@ -15,7 +15,9 @@ def format_metrics(metrics: dict[str, float]) -> str:
             f" diff bytes per iteration: {metrics['bytes_per_iteration'] / 1e3:.1f} KB |"
             f" writer backlog: {int(metrics['writer_backlog'])} |"
         )
-    if "merge_backlog" in metrics:
+    if metrics.get("replica") == 0.0:
+        text += " merge backlog: none (no replica) |"
+    elif "merge_backlog" in metrics:
         paused = " (not merged until the next base)" if metrics.get("merge_paused") else ""
         text += f" merge backlog: {int(metrics['merge_backlog'])}{paused} |"
     if "keeper_lag" in metrics:

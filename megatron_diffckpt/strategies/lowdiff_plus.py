@@ -110,6 +110,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             nothing is merged nor logged until the next base, which re-anchors the replica to
             the training state (``--diffckpt-option max_merge_wait_ms``); ``None``: as long as
             it takes. In the keeper: the wait for the previous iteration's hand-over.
+        replica: ``False`` to run without the replica from the start (the auto-tuner's
+            decision, :meth:`drop_replica`; the merger in this process, with the diff log).
     """
 
     name = "lowdiff-plus"
@@ -127,6 +129,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         keeper_log: dict[str, Any] | None = None,
         keeper_writes_bases: bool = False,
         max_merge_wait_s: float | None = None,
+        replica: bool = True,
     ):
         if not model_chunks:
             raise ValueError(
@@ -174,6 +177,8 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         if (keeper is None and writer is not None) or self._keeper_logs:
             self.snapshotter.on_full = self._skip_merges
         self._unmerged_from: int | None = None  # the first iteration not merged (paused)
+        # the in-rank merger with the log: a base waits at most the bound for the merger too
+        self._bounds_base_wait = keeper is None and writer is not None
         self._anchored_at = -1  # the newest base staged from the training state in a pause
         if self.in_keeper:
             keeper_merger.attach(self.snapshotter)
@@ -210,10 +215,24 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self._first_iteration = 0
         self._logging = writer is not None
         self._step_seconds = 0.0  # the training optimizer's last step (the tuner's replay)
+        self.paused_bases = 0
+        """How many of the newest bases in a row ended an interval in which the merges paused
+        (``max_merge_wait_ms``; the bases staged from the training state): the auto-tuner drops
+        the replica after two."""
+        if not replica and not self.can_drop_replica:
+            raise ValueError(
+                "LowDiff+ runs without a replica only with its merger in this process and the "
+                "diff log"
+            )
+        self._replica = replica
+        self._dropped_at: int | None = None  # the iteration the replica was dropped after
 
     def start(self, iteration: int) -> None:
         """Anchor the replica to the training state after ``iteration`` and hook megatron."""
-        self.merger.anchor(self._torch_optimizers, iteration)
+        if self._replica:
+            self.merger.anchor(self._torch_optimizers, iteration)
+        else:
+            self.merger.drop_replica(self._torch_optimizers, iteration)
         self._submitted = self._first_iteration = iteration
         self._time_training_steps(True)
         bucket_snapshot.attach(self.model_chunks, self.optimizer, self.snapshotter)
@@ -222,15 +241,17 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             pipeline_bubbles.activate(self.snapshotter)
         optimizer_step.attach(self.optimizer, self._on_ready_grads)
         logger.info(
-            "LowDiff+: %d snapshot slot(s) of %.1f MB in %s (%s copies%s), replica anchored at "
-            "iteration %d%s",
+            "LowDiff+: %d snapshot slot(s) of %.1f MB in %s (%s copies%s), %s",
             self.snapshotter.slots,
             self.snapshotter.nbytes / 1e6,
             "shared memory" if self.in_keeper else "host memory",
             self.device,
             ", deferred to pipeline bubbles" if self.pipelined else "",
-            iteration,
-            ", merged by the node's keeper" if self.in_keeper else "",
+            f"replica anchored at iteration {iteration}"
+            + (", merged by the node's keeper" if self.in_keeper else "")
+            if self._replica
+            else "no replica (the auto-tuner's decision): bases staged from the training state, "
+            "the diff log between them",
         )
 
     # ----------------------------------------------------------------- hooks (training thread)
@@ -246,20 +267,30 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             )
         self._inputs.clip_coeffs[inner] = coeff
 
-    def _skip_merges(self) -> None:
-        """No snapshot slot (in the keeper: no hand-over) came within ``max_merge_wait_ms``,
-        with the diff log on: the merger skips what it has not merged until the next base,
+    def _skip_merges(self, base: int | None = None) -> None:
+        """No snapshot slot (in the keeper: no hand-over) came within ``max_merge_wait_ms``, or
+        the in-rank merger had not merged the iteration of ``base`` within it, with the diff
+        log on: the merger skips what it has not merged until the next base (``base`` itself),
         which is staged from the training state; the log goes on. The training thread."""
+        if not self._replica:
+            return  # nothing is merged: the slots wait for the diff log only
         first = self.merger.skip_merges()
         if self._unmerged_from is None:
             self._unmerged_from = self._submitted + 1 if first is None else first
             bound_ms = 1000.0 * (self.snapshotter.max_wait_s or 0.0)
-            behind = (
-                f"the node's keeper took more than {bound_ms:.0f} ms to take an iteration over"
-                if self.in_keeper
-                else f"the merger is behind by more than {self.snapshotter.slots} snapshot "
-                f"slot(s) for {bound_ms:.0f} ms"
-            )
+            if base is not None:
+                behind = (
+                    f"the merger had not merged iteration {base} {bound_ms:.0f} ms into its base"
+                )
+            elif self.in_keeper:
+                behind = (
+                    f"the node's keeper took more than {bound_ms:.0f} ms to take an iteration over"
+                )
+            else:
+                behind = (
+                    f"the merger is behind by more than {self.snapshotter.slots} snapshot "
+                    f"slot(s) for {bound_ms:.0f} ms"
+                )
             logger.warning(
                 "LowDiff+: %s: iterations from %d on are not merged until the next base, which "
                 "is staged from the training state%s (--diffckpt-option max_merge_wait_ms)",
@@ -316,6 +347,34 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         ``max_merge_wait_s`` (the auto-tuner's decision). The training thread."""
         self.snapshotter.max_wait_s = seconds
 
+    @property
+    def can_drop_replica(self) -> bool:
+        """Whether :meth:`drop_replica` applies: the merger in this process, with the diff log
+        (the keeper's replica is not dropped)."""
+        return not self.in_keeper and self._logging
+
+    @property
+    def has_replica(self) -> bool:
+        return self._replica
+
+    def drop_replica(self) -> int:
+        """Keep no replica from now on (the auto-tuner's decision, where the merges paused in
+        each of the newest base intervals: the replica then buys no base, and costs the bound's
+        wait, an anchor copy per base and the merge's CPU): nothing queued or to come is merged,
+        the replica's memory is freed, every base is staged from the training state, and the
+        diff log goes on (durability unchanged). Returns the bytes freed. The training thread;
+        one way."""
+        if not self._replica:
+            return 0
+        if not self.can_drop_replica:
+            raise RuntimeError("LowDiff+: only a replica in this process, with the diff log, "
+                               "is dropped")  # fmt: skip
+        freed = _optimizer_bytes(self.merger.optimizers)
+        self._replica, self._dropped_at = False, self._submitted
+        self._unmerged_from = None
+        self.merger.drop_replica(self._torch_optimizers, self._submitted)
+        return freed
+
     def stop_diff_log(self) -> None:
         """Write no more differentials (the iterations handed over so far still are): from now
         on only bases make iterations recoverable. The training thread; one way."""
@@ -336,7 +395,18 @@ class LowDiffPlusStrategy(PerIterationStrategy):
                 iteration,
             )
             self._poll_persist(block=True)
-        if self._unmerged_from is not None:
+        bound = self.snapshotter.max_wait_s
+        if self._replica and self._unmerged_from is None and bound and self._bounds_base_wait:
+            self.merger.wait_merged(iteration, timeout=bound)
+            if self.merger.merged_iteration < iteration:  # as a slot not freed within the bound
+                self._skip_merges(base=iteration)
+        self.paused_bases = self.paused_bases + 1 if self._unmerged_from is not None else 0
+        if not self._replica:
+            with self.cpu.measure("base training state copy"):
+                copies = self._persist_copies = refresh_replicas(
+                    self._torch_optimizers, self._persist_copies
+                )
+        elif self._unmerged_from is not None:
             copies = self._stage_from_training(iteration)
         else:
             self.merger.wait_merged(iteration)  # idle: nothing after it was submitted
@@ -482,17 +552,21 @@ class LowDiffPlusStrategy(PerIterationStrategy):
 
     def metrics(self) -> dict[str, float]:
         """``merge_backlog`` (iterations the replica is behind), ``merge_paused`` (1 while
-        nothing is merged until the next base, ``max_merge_wait_ms``), ``slot_wait_ms`` (training's
+        nothing is merged until the next base, ``max_merge_wait_ms``), ``replica`` (0 once
+        dropped, :meth:`drop_replica`), ``slot_wait_ms`` (training's
         waits for a snapshot slot, cumulative), ``copies_in_bubbles`` (share of recent snapshot
         copy time inside pipeline bubbles)."""
         summary = summarize_traces(list(self.snapshotter.traces))
-        if self._unmerged_from is not None:  # the replica stopped before this iteration
+        if not self._replica:
+            backlog = 0
+        elif self._unmerged_from is not None:  # the replica stopped before this iteration
             backlog = self._submitted - self._unmerged_from + 1
         else:  # the keeper's replica is one behind by design (it holds the newest input)
             backlog = self._submitted - self.merger.merged_iteration - int(self.in_keeper)
         return {
             "merge_backlog": float(max(0, backlog)),
             "merge_paused": float(self._unmerged_from is not None),
+            "replica": float(self._replica),
             "slot_wait_ms": self.snapshotter.slot_wait_seconds * 1000.0,
             "copies_in_bubbles": summary["share_in_bubbles"],
         }
@@ -503,7 +577,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         return self.merger.durable if self.in_keeper else None
 
     def replica_view(self) -> Any:
-        """The training optimizer seen through the replica (read only)."""
+        """The training optimizer seen through the replica (read only); ``None`` without one."""
+        if not self._replica:
+            return None
         return replica_view(self.optimizer, self.merger.optimizers)
 
     def write_trace(self, path: str) -> None:
@@ -542,10 +618,16 @@ class LowDiffPlusStrategy(PerIterationStrategy):
                     "LowDiff+: snapshot trace not written to %s: %s", self.trace_path, exc
                 )
         summary = summarize_traces(list(self.snapshotter.traces))
+        if self._replica:
+            merged = f"merged through iteration {self.merger.merged_iteration}"
+        elif self._dropped_at is not None:
+            merged = f"no replica after iteration {self._dropped_at} (the auto-tuner dropped it)"
+        else:
+            merged = "no replica (the auto-tuner's decision)"
         logger.info(
-            "LowDiff+: merged through iteration %d; merger busy %.2f s; training waited %.2f s "
-            "for snapshot slots and %.2f s at bases; %.0f%% of copy time inside pipeline bubbles",
-            self.merger.merged_iteration,
+            "LowDiff+: %s; merger busy %.2f s; training waited %.2f s for snapshot slots and "
+            "%.2f s at bases; %.0f%% of copy time inside pipeline bubbles",
+            merged,
             self.merger.merge_seconds,
             self.snapshotter.slot_wait_seconds,
             self.base_stall_seconds,
