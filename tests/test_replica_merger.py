@@ -88,6 +88,18 @@ def _assert_replica_is(training: torch.optim.Optimizer, replica: torch.optim.Opt
                 assert torch.equal(training.state[p_t][key], replica.state[p_r][key]), key
 
 
+def _logging_merger(tmp_path):
+    """(identity, training optimizer, snapshotter with 2 slots, diff log writer with B = 1,
+    merger writing it, anchored at 0)."""
+    identity = SegmentIdentity("run", 0, 0, 0, "l")
+    training = _training_optimizer()
+    snap = BucketSnapshotter(SHARDS, slots=2)
+    writer = DiffLogWriter(str(tmp_path), identity, "none", 1, serialise_at_append=True)
+    merger = ReplicaMerger(LAYOUT, snap, writer)
+    merger.anchor([training], iteration=0)
+    return identity, training, snap, writer, merger
+
+
 @pytest.fixture
 def held(monkeypatch):
     """An event the merger waits for before each step (its delay point): set, it merges."""
@@ -244,12 +256,7 @@ def test_past_the_bound_on_a_slot_wait_the_merger_skips_to_the_next_anchor_and_t
     the merger still held, and every iteration is logged. Anchored to the training state after
     5 (as a base in a pause is staged), the replica then merges 6 and equals training bit for
     bit."""
-    identity = SegmentIdentity("run", 0, 0, 0, "l")
-    training = _training_optimizer()
-    snap = BucketSnapshotter(SHARDS, slots=2)
-    writer = DiffLogWriter(str(tmp_path), identity, "none", 1, serialise_at_append=True)
-    merger = ReplicaMerger(LAYOUT, snap, writer)
-    merger.anchor([training], iteration=0)
+    identity, training, snap, writer, merger = _logging_merger(tmp_path)
     full = []
     snap.max_wait_s = 0.05
     snap.on_full = lambda: (full.append(snap_iteration[0]), merger.skip_merges())
@@ -288,12 +295,7 @@ def test_a_dropped_replica_merges_nothing_more_and_the_log_goes_on(tmp_path, hel
     submitted later is merged (the anchor included), every slot comes back as soon as the log
     has read it (training goes on to 6 without waiting for the held merger), and every record
     is the exact optimizer input, its parameters' shapes read from the training optimizer."""
-    identity = SegmentIdentity("run", 0, 0, 0, "l")
-    training = _training_optimizer()
-    snap = BucketSnapshotter(SHARDS, slots=2)
-    writer = DiffLogWriter(str(tmp_path), identity, "none", 1, serialise_at_append=True)
-    merger = ReplicaMerger(LAYOUT, snap, writer)
-    merger.anchor([training], iteration=0)
+    identity, training, snap, writer, merger = _logging_merger(tmp_path)
     full = []
     snap.max_wait_s = 5.0  # a slot that does not come back fails the test, not hangs it
     snap.on_full = lambda: full.append(True)
