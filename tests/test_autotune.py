@@ -8,6 +8,7 @@ import re
 from dataclasses import replace
 
 import pytest
+import torch
 from launch import (
     TINY_GPT,
     assert_same_state,
@@ -17,6 +18,7 @@ from launch import (
     run_until_killed,
 )
 
+from megatron_diffckpt import recovery
 from megatron_diffckpt.autotune import (
     DECISION_FILE,
     PAUSED_BASES_TO_DROP,
@@ -26,6 +28,7 @@ from megatron_diffckpt.autotune import (
     load_decision,
     save_decision,
 )
+from megatron_diffckpt.manager.tuning import retune
 from megatron_diffckpt.tuning import CostInputs, optimize
 
 # rank, first iteration of a pause of LowDiff+'s merger (max_merge_wait_ms)
@@ -384,3 +387,50 @@ def test_lowdiff_plus_auto_tune_drops_a_replica_that_only_costs(tmp_path, monkey
     plain, plus = load_dumps(tmp_path / "plain", 2), load_dumps(tmp_path / "plus", 2)
     for rank in range(2):
         assert_same_state(plain[rank], plus[rank], rank)
+
+
+class _Strategy:
+    """What :func:`retune` calls of LowDiff+'s strategy, recorded."""
+
+    def __init__(self, paused_bases: int):
+        self.has_replica, self.paused_bases, self.calls = True, paused_bases, []
+
+    def bound_merge_wait(self, seconds: float) -> None:
+        self.calls.append(("bound", seconds))
+
+    def stop_diff_log(self) -> None:
+        self.calls.append(("stop log",))
+
+    def drop_replica(self) -> int:
+        self.calls.append(("drop",))
+        return 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("peer", "calls", "replica"),
+    [
+        ((6, 1, 1, -300, 1), [("drop",)], False),  # any rank's drop: dropped everywhere
+        ((6, 1, 0, -300, 1), [("stop log",)], True),  # the peer stops the log: kept
+    ],
+)
+def test_retune_drops_the_replica_where_any_rank_does_unless_the_log_stops(
+    tmp_path, monkeypatch, peer, calls, replica
+):
+    """This rank proposes the drop (its merges paused in two base intervals in a row, the
+    bound set); the agreement is the MIN with the peer's proposal. A drop anywhere drops the
+    replica everywhere; a peer's stop of the diff log keeps it (bases only are the replica's
+    bases). The agreed decision is saved for a restart."""
+
+    def agree(values, what):
+        return [min(a, b) for a, b in zip(values, peer, strict=True)]
+
+    monkeypatch.setattr(recovery, "all_reduce_min", agree)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    tuner = _lagging(_plus_tuner(write_s=0.5, bound_merge_wait=True), 0.6)
+    tuner.settings = replace(tuner.settings, drop_replica=True)
+    tuner.apply(6, 1, True, 300)
+    strategy = _Strategy(paused_bases=PAUSED_BASES_TO_DROP)
+    retune(tuner, 40, 6, None, strategy, str(tmp_path))
+    assert strategy.calls == calls
+    assert tuner.replica is replica
+    assert load_decision(str(tmp_path)).replica is replica

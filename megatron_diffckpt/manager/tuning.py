@@ -92,7 +92,8 @@ def retune(
     )
     diff_log = bool(log) and tuner.diff_log
     merge_wait_ms = tuner.merge_wait_ms or -neg_wait_ms
-    replica = bool(kept) and tuner.replica
+    # a rank's stop of the log outweighs another's drop: bases only are the replica's bases
+    replica = (bool(kept) or not diff_log) and tuner.replica
     current_b = writer.batch_size if writer is not None else batch_size
     decided = (proposed_f, batch_size, diff_log, merge_wait_ms, replica)
     if decided != (full_interval, current_b, tuner.diff_log, tuner.merge_wait_ms, tuner.replica):
