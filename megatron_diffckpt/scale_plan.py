@@ -289,7 +289,9 @@ LOWDIFF_KEEPERS = "LowDiff + keepers"
 LOWDIFF_KEEPER_REPLICAS = "LowDiff + keeper replicas"
 LOWDIFF_PLUS_KEEPERS = "LowDiff+ in keepers"
 LOWDIFF_PLUS_DEVICE = "LowDiff, dense"
-"""LowDiff+ without its replica: ``--diffckpt-mode lowdiff`` with megatron's dense reduction."""
+"""LowDiff+ without its replica: ``--diffckpt-mode lowdiff`` with megatron's dense reduction, or
+``--diffckpt-mode lowdiff-plus --diffckpt-auto-tune`` once the tuner drops the replica
+(:data:`~megatron_diffckpt.autotune.PAUSED_BASES_TO_DROP`)."""
 LOWDIFF_PLUS_BOUNDED = "LowDiff+ (bounded wait)"
 """LowDiff+ with the diff log and ``--diffckpt-option max_merge_wait_ms``."""
 
