@@ -108,31 +108,47 @@ class Decision:
     """LowDiff+ keeps its replica (``False``: dropped, bases staged from the training state)."""
 
 
-def load_decision(diff_dir: str) -> Decision | None:
-    """The decision a previous incarnation of the job saved in ``diff_dir``, logged; ``None``
-    when there is none. Any rank."""
+def read_decision(diff_dir: str) -> Decision | None:
+    """The decision a previous incarnation of the job saved in ``diff_dir``; ``None`` when there
+    is none, or (with a warning: the tuner then learns again) when it cannot be read. Any
+    process."""
     path = os.path.join(diff_dir, DECISION_FILE)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        state = json.load(f)
-    decision = Decision(
-        state["full_interval"],
-        state["batch_size"],
-        state.get("diff_log", True),
-        state["iteration"],
-        state.get("merge_wait_ms", 0),
-        state.get("replica", True),
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        return Decision(
+            int(state["full_interval"]),
+            int(state["batch_size"]),
+            bool(state.get("diff_log", True)),
+            int(state["iteration"]),
+            int(state.get("merge_wait_ms", 0)),
+            bool(state.get("replica", True)),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("auto-tune: %s is unreadable (%s): the tuner starts afresh", path, exc)
+        return None
+
+
+def describe_decision(decision: Decision) -> str:
+    """``decision`` in the words of the log: ``F 6, B 1, merge wait bounded at 163 ms, LowDiff+
+    without a replica (decided at iteration 16)``."""
+    d = decision
+    return (
+        f"F {d.full_interval}, B {d.batch_size}"
+        + ("" if d.diff_log else ", LowDiff+ bases only")
+        + (f", merge wait bounded at {d.merge_wait_ms} ms" if d.merge_wait_ms else "")
+        + ("" if d.replica else ", LowDiff+ without a replica")
+        + f" (decided at iteration {d.iteration})"
     )
-    logger.info(
-        "auto-tune: resuming with F %d, B %d%s%s%s (decided at iteration %d)",
-        decision.full_interval,
-        decision.batch_size,
-        "" if decision.diff_log else ", LowDiff+ bases only",
-        f", merge wait bounded at {decision.merge_wait_ms} ms" if decision.merge_wait_ms else "",
-        "" if decision.replica else ", LowDiff+ without a replica",
-        decision.iteration,
-    )
+
+
+def load_decision(diff_dir: str) -> Decision | None:
+    """:func:`read_decision`, logged. Any rank."""
+    decision = read_decision(diff_dir)
+    if decision is not None:
+        logger.info("auto-tune: resuming with %s", describe_decision(decision))
     return decision
 
 

@@ -17,9 +17,10 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from megatron_diffckpt import retention
+from megatron_diffckpt.autotune import Decision, describe_decision, read_decision
 from megatron_diffckpt.checkpoint_layout import (
     COMPLETE_MARKER,
     TRACKER_FILENAME,
@@ -116,6 +117,7 @@ def inspect_dir(root: str, diff_dir: str | None = None) -> dict:
     ranks = [_report_rank(os.path.join(ddir, name), latest) for name in list_rank_dirs(ddir)]
     ends = [r.chain_end for r in ranks if r.chain_end is not None]
     recoverable = min(ends) if ends and len(ends) == len(ranks) else latest
+    decision = read_decision(ddir)  # --diffckpt-auto-tune's newest, for a restart
     return {
         "root": root,
         "mode": read_run_info(ddir).get("mode"),
@@ -126,6 +128,7 @@ def inspect_dir(root: str, diff_dir: str | None = None) -> dict:
         "ranks": [r.__dict__ for r in ranks],
         "recoverable_iteration": recoverable,
         "diff_bytes": sum(r.bytes for r in ranks),
+        "auto_tune": None if decision is None else asdict(decision),
     }
 
 
@@ -242,6 +245,8 @@ def _print_inspect(info: dict) -> None:
             "pipeline bubbles"
         )
     print(f"recoverable iteration T: {info['recoverable_iteration']}")
+    if info["auto_tune"] is not None:
+        print(f"auto-tune decision: {describe_decision(Decision(**info['auto_tune']))}")
     if "keeper" in info:
         _print_keeper(info["keeper"])
 

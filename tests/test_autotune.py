@@ -211,6 +211,10 @@ def test_a_decision_without_the_replica_is_saved_and_resumed(tmp_path, caplog):
         '{"full_interval": 7, "batch_size": 2, "diff_log": true, "iteration": 40}'
     )
     assert load_decision(str(older)).replica
+    (older / DECISION_FILE).write_text('{"full_interval": 7, "batch_')  # cut short by hand
+    with caplog.at_level(logging.WARNING):
+        assert load_decision(str(older)) is None
+    assert "is unreadable" in caplog.text and "the tuner starts afresh" in caplog.text
 
 
 @pytest.mark.distributed

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from megatron_diffckpt.autotune import Decision, save_decision
 from megatron_diffckpt.checkpoint_layout import publish_iteration
 from megatron_diffckpt.cli import main
 from megatron_diffckpt.storage import DiffLogWriter, DiffRecord, SegmentIdentity
@@ -41,6 +42,20 @@ def test_inspect_reports_the_recoverable_iteration(tmp_path, capsys):
     assert info["diff_bytes"] > 0
     assert main(["inspect", str(tmp_path)]) == 0
     assert "recoverable iteration T: 7" in capsys.readouterr().out
+
+
+def test_inspect_shows_the_auto_tuners_decision(tmp_path, capsys):
+    _folder(tmp_path)
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["auto_tune"] is None
+    save_decision(str(tmp_path / "diffckpt"), Decision(6, 1, True, 16, 163, replica=False))
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert (
+        "auto-tune decision: F 6, B 1, merge wait bounded at 163 ms, LowDiff+ without a replica "
+        "(decided at iteration 16)" in capsys.readouterr().out
+    )
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["auto_tune"]["replica"] is False
 
 
 def test_verify_passes_clean_and_fails_on_a_flipped_bit(tmp_path, capsys):
