@@ -29,6 +29,7 @@ MODES = ("off", "lowdiff", "lowdiff-plus")
 WHEN_FULL = ("block", "skip", "strict")
 COMPRESSORS = ("none", "topk")
 KEEPER = ("auto", "off")
+REPLICA_KERNELS = ("auto", "fused")
 
 TRUE, FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
@@ -102,6 +103,16 @@ class DiffCkptOptions:
     diff_log=false, neither merged nor logged. With --diffckpt-auto-tune, 0 lets the
     tuner set a bound where waiting costs more."""
 
+    replica_kernel: str = "auto"
+    """lowdiff-plus: what the host replica steps with. auto: training's own optimizer kernel
+    where training runs on the CPU (the replica bit-identical to the training state), torch's
+    fused CPU Adam where no host kernel can match training's bit for bit anyway (training on
+    GPUs). fused: the fused kernel on the CPU too (measured 3x the exact kernel's pace per
+    thread): the replica then drifts from the training state by rounding between bases, and
+    every base re-anchors it first (a copy of the training state; what is written to storage,
+    bases and diff log, and so recovery from storage, stay exact; a recovery from the keepers'
+    replicas is within rounding)."""
+
     def __post_init__(self) -> None:
         for name in ("max_pending", "host_memory_budget", "retune_interval", "collective_timeout"):
             if getattr(self, name) < 1:
@@ -109,6 +120,11 @@ class DiffCkptOptions:
         for name in ("max_merge_wait_ms", "max_full_interval"):
             if getattr(self, name) < 0:
                 raise DiffCkptUsageError(f"--diffckpt-option {name} must be >= 0")
+        if self.replica_kernel not in REPLICA_KERNELS:
+            raise DiffCkptUsageError(
+                f"--diffckpt-option replica_kernel takes {' or '.join(REPLICA_KERNELS)}; "
+                f"got {self.replica_kernel!r}"
+            )
 
     @classmethod
     def parse(cls, items: list[str] | None) -> DiffCkptOptions:
@@ -133,6 +149,8 @@ class DiffCkptOptions:
 
 def _convert(name: str, kind: str, text: str) -> Any:
     lowered = text.lower()
+    if kind == "str":
+        return lowered
     if kind.startswith("bool"):
         if lowered in TRUE:
             return True
@@ -224,7 +242,7 @@ class DiffCkptConfig:
     """NAME=VALUE[,NAME=VALUE] (repeatable): fine-grained settings for tests, benchmarks and
     experts, each documented in the flag reference: max_pending, host_memory_budget,
     retune_interval, max_full_interval, buffered_io, diff_log, keeper_kept_bases, keeper_writes_log,
-    keeper_replica, keeper_writes_bases, collective_timeout, max_merge_wait_ms."""
+    keeper_replica, keeper_writes_bases, collective_timeout, max_merge_wait_ms, replica_kernel."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -297,8 +315,9 @@ class DiffCkptConfig:
                 "--diffckpt-option max_full_interval caps the auto-tuner's F: add "
                 "--diffckpt-auto-tune (or set --diffckpt-full-interval yourself)"
             )
-        if o.max_merge_wait_ms and not plus:
-            return "--diffckpt-option max_merge_wait_ms is for --diffckpt-mode lowdiff-plus"
+        for name, default in (("max_merge_wait_ms", 0), ("replica_kernel", "auto")):
+            if getattr(o, name) != default and not plus:
+                return f"--diffckpt-option {name} is for --diffckpt-mode lowdiff-plus"
         if o.keeper_writes_bases and not (plus and self.keeper_plan().replica):
             return (
                 "--diffckpt-option keeper_writes_bases=true is for lowdiff-plus with its replica "

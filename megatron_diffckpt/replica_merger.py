@@ -123,8 +123,8 @@ Alloc = Callable[[torch.Tensor, str], torch.Tensor]
 KERNELS = ("auto", "exact", "fused")
 """How a host replica steps (:func:`replica_kernel`)."""
 
-# The hyper-parameters a fused host replica takes from the training optimizer's groups.
-_ADAM_OPTIONS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+# The options a fused host replica's groups take whatever the training optimizer's were.
+_FUSED = {"fused": True, "foreach": None, "capturable": False, "differentiable": False}
 
 
 def replica_kernel(opt: torch.optim.Optimizer, kernel: str = "auto") -> str:
@@ -147,6 +147,18 @@ def replica_kernel(opt: torch.optim.Optimizer, kernel: str = "auto") -> str:
     return "exact" if torch_adam and on_cpu else "fused"
 
 
+def replica_is_exact(sources: list[torch.optim.Optimizer | None], kernel: str = "auto") -> bool:
+    """Whether a replica of ``sources`` that steps with ``kernel`` stays bit-identical to them:
+    the exact kernel, with training on the CPU. A replica that is not is re-anchored to the
+    training state at every base."""
+    return all(
+        replica_kernel(o, kernel) == "exact"
+        and all(p.device.type == "cpu" for g in o.param_groups for p in g["params"])
+        for o in sources
+        if o is not None
+    )
+
+
 def replica_of(
     opt: torch.optim.Optimizer, alloc: Alloc = _host_copy, prefix: str = "", kernel: str = "auto"
 ) -> torch.optim.Optimizer:
@@ -161,12 +173,11 @@ def replica_of(
         replica = type(opt)(groups)
     else:
         # Adam's update decoupled from weight decay, as megatron configures transformer-engine's
-        # and apex's fused Adam (adam_w_mode); torch's own Adam keeps its class.
+        # and apex's fused Adam (adam_w_mode); torch's own Adam keeps its class. Every other
+        # option of a group stays (megatron's wd_mult, lr_mult, ...: a base written from the
+        # replica saves its groups, and megatron's load looks them up), the kernel's are set.
         cls = type(opt) if type(opt) in _TORCH_ADAM else torch.optim.AdamW
-        replica = cls(
-            [{"params": g["params"], **{k: g[k] for k in _ADAM_OPTIONS if k in g}} for g in groups],
-            fused=True,
-        )
+        replica = cls([{**g, **_FUSED} for g in groups], fused=True)
     _copy_state(opt, replica, into_existing=False, alloc=alloc, prefix=prefix)
     return replica
 
@@ -175,20 +186,35 @@ def refresh_replicas(
     sources: list[torch.optim.Optimizer | None],
     replicas: list[torch.optim.Optimizer | None] | None,
     alloc: Alloc = _host_copy,
+    kernel: str = "auto",
 ) -> list[torch.optim.Optimizer | None]:
     """``replicas`` made to hold ``sources``' parameters, options and state: copies created
-    (by ``alloc``) on first use (``replicas`` empty or ``None``), afterwards copied into in
-    place (state a replica lacks is created by ``alloc``). ``None`` entries (stub optimizers)
-    stay ``None``."""
+    (by ``alloc``, stepping with ``kernel``) on first use (``replicas`` empty or ``None``),
+    afterwards copied into in place (state a replica lacks is created by ``alloc``). ``None``
+    entries (stub optimizers) stay ``None``."""
     if not replicas:
         return [
-            None if o is None else replica_of(o, alloc, prefix=f"o{i}.")
+            None if o is None else replica_of(o, alloc, prefix=f"o{i}.", kernel=kernel)
             for i, o in enumerate(sources)
         ]
     for i, (src, dst) in enumerate(zip(sources, replicas, strict=True)):
         if src is not None:
             _copy_state(src, dst, into_existing=True, alloc=alloc, prefix=f"o{i}.")
     return replicas
+
+
+def take_group_options(
+    sources: list[torch.optim.Optimizer | None], copies: list[torch.optim.Optimizer | None]
+) -> None:
+    """Give ``copies``' param groups ``sources``' options (all but the parameters): a base
+    written from the copies then saves the training optimizer's groups, its kernel's flags,
+    megatron's ``wd_mult`` and the current learning rate included, whatever the copies step
+    with (a fused replica's flags would switch training's kernel when the base is loaded)."""
+    for src, dst in zip(sources, copies, strict=True):
+        if src is None or dst is None:
+            continue
+        for g_src, g_dst in zip(src.param_groups, dst.param_groups, strict=True):
+            g_dst.update({k: v for k, v in g_src.items() if k != "params"})
 
 
 def _copy_state(
@@ -328,6 +354,7 @@ class ReplicaMerger(QueuedMerges):
             own step, to compare with the training optimizer's), ``"merge input"`` (the
             gradients laid out for it, clipped as training clipped them), ``"diff log
             record"`` (the record handed to ``writer``).
+        kernel: what the replica steps with (:func:`replica_kernel`).
     """
 
     def __init__(
@@ -336,9 +363,11 @@ class ReplicaMerger(QueuedMerges):
         snapshotter: BucketSnapshotter,
         writer: DiffLogWriter | None = None,
         cpu: CpuMeter | None = None,
+        kernel: str = "auto",
     ):
         self.layout = layout
         self.cpu = cpu if cpu is not None else CpuMeter()
+        self.kernel = kernel
         self.snapshotter = snapshotter
         self.writer = writer
         # a writer that serialises at append takes the record before the slot is given back:
@@ -379,7 +408,7 @@ class ReplicaMerger(QueuedMerges):
         """Make the replica equal to ``torch_optimizers`` (the training state after
         ``iteration``). Waits until earlier jobs are merged. The training thread."""
         self.wait_idle()
-        self.optimizers = refresh_replicas(torch_optimizers, self.optimizers)
+        self.optimizers = refresh_replicas(torch_optimizers, self.optimizers, kernel=self.kernel)
         self._set_merged(iteration)
 
     def drop_replica(

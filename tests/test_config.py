@@ -73,10 +73,11 @@ def test_a_retired_flag_is_refused_in_one_line_naming_the_new_way(old, instead, 
 def test_options_take_names_and_values_of_their_fields():
     c = _parse("--diffckpt-mode", "lowdiff-plus", "--diffckpt-option",
                "max_pending=4,diff_log=off", "--diffckpt-option", "keeper_replica=false",
-               "--diffckpt-option", "buffered-io=1")  # fmt: skip
+               "--diffckpt-option", "buffered-io=1,replica_kernel=Fused")  # fmt: skip
     assert c.options == DiffCkptOptions(
-        max_pending=4, diff_log=False, keeper_replica=False, buffered_io=True
-    )
+        max_pending=4, diff_log=False, keeper_replica=False, buffered_io=True,
+        replica_kernel="fused",
+    )  # fmt: skip
     # a later value wins, and auto gives a keeper choice back to --diffckpt-keeper auto
     c = _parse("--diffckpt-mode", "lowdiff", "--diffckpt-option", "keeper_replica=false",
                "--diffckpt-option", "keeper_replica=auto")  # fmt: skip
@@ -93,6 +94,7 @@ def test_options_take_names_and_values_of_their_fields():
         ("max_full_interval=-1", "max_full_interval must be >= 0"),
         ("buffered_io=auto", "buffered_io takes true, false; got 'auto'"),
         ("keeper_replica=maybe", "keeper_replica takes true, false or auto; got 'maybe'"),
+        ("replica_kernel=exact", "replica_kernel takes auto or fused; got 'exact'"),
     ],
 )
 def test_a_bad_option_is_refused_naming_it(value, message):
@@ -181,6 +183,10 @@ def test_defaults_and_values():
         (
             {"mode": "lowdiff", "options": DiffCkptOptions(max_merge_wait_ms=100)},
             "max_merge_wait_ms is for --diffckpt-mode lowdiff-plus",
+        ),
+        (
+            {"mode": "lowdiff", "options": DiffCkptOptions(replica_kernel="fused")},
+            "replica_kernel is for --diffckpt-mode lowdiff-plus",
         ),
         (
             {"mode": "lowdiff", "options": DiffCkptOptions(max_full_interval=6)},

@@ -29,6 +29,7 @@ from launch import (
     kill_tree,
     last_logged,
     launch_node,
+    load_dumps,
     rank_process,
     run_cli,
     run_gpt,
@@ -555,6 +556,33 @@ def test_a_rank_killed_before_its_hand_over_recovers_from_the_keepers_exactly(tm
     assert "recovery: iteration 10 from the replica in the node's keeper" in log, log[-3000:]
     assert "loaded checkpoint from" not in log  # only base 0 exists; it was not read
     _assert_ends_as_straight(tmp_path, 10)
+
+
+@pytest.mark.distributed
+def test_a_fused_replica_in_the_keeper_recovers_to_within_rounding(tmp_path):
+    """``replica_kernel=fused`` with the replica in the node's keeper (the host kernel of
+    training on GPUs, forced on the CPU): the keeper steps it with torch's fused CPU Adam, every
+    base re-anchors it to the training state. Rank 1 dies before handing iteration 11 over: the
+    ranks recover iteration 10 from the keepers' replicas, two fused steps past base 8, so the
+    job ends within rounding of the uninterrupted run (close, not bit for bit)."""
+    common, plus = _keeper_job(tmp_path, total=16, full_interval=4)
+    fused = ["--diffckpt-option", "replica_kernel=fused"]
+    proc, lines = launch_node(
+        [*common, *plus, *fused], {"DIFFCKPT_FAILPOINT": "plus-hand-over:11@1"}
+    )
+    log = finish_node(proc, lines)
+    assert "stepped with the fused host kernel, anchored at every base" in log
+    assert "recovery: iteration 10 from the replica in the node's keeper" in log, log[-3000:]
+    straight, resumed = load_dumps(tmp_path / "straight", 2), load_dumps(tmp_path / "resumed", 2)
+    equal = True
+    for rank in range(2):
+        losses = resumed[rank]["losses"]
+        assert losses == pytest.approx(straight[rank]["losses"][10:], rel=1e-4)
+        for name, value in straight[rank]["params"].items():
+            got = resumed[rank]["params"][name]
+            assert torch.allclose(got, value, rtol=1e-4, atol=1e-6), f"rank {rank}: {name}"
+            equal = equal and torch.equal(got, value)
+    assert not equal  # the fused kernel rounds differently from training's
 
 
 @pytest.mark.distributed

@@ -191,6 +191,27 @@ def test_sigkill_while_merging_recovers_exactly_from_base_and_differentials(tmp_
 
 
 @pytest.mark.distributed
+def test_a_fused_replica_is_anchored_at_every_base_and_recovery_stays_exact(tmp_path):
+    """``replica_kernel=fused``, the host kernel of training on GPUs, forced on the CPU: the
+    replica steps with torch's fused CPU Adam, so it drifts from the training state by rounding
+    (``tests/test_replica_kernel.py`` bounds it); every base re-anchors it to the training state
+    first, so the bases and the diff log stay exact, and so does a recovery after SIGKILL."""
+    args = [*COMMON, "--overlap-grad-reduce"]
+    ckpt = tmp_path / "ckpt"
+    fused = _plus(ckpt, 4, "--diffckpt-option", "replica_kernel=fused")
+    killed = run_until_killed(
+        [*args, "--train-iters", "1000", *fused],
+        kill_after=7,
+        kill_when_exists=[tracker_at(ckpt, 4)],
+    )
+    assert "stepped with the fused host kernel, anchored at every base" in killed
+    base = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert base in (4, 8)
+    recovered = _resume_and_compare(tmp_path, args, ckpt, total=12, interval=4)
+    assert recovered > base
+
+
+@pytest.mark.distributed
 def test_sigkill_while_a_base_is_written_keeps_the_previous_base(tmp_path):
     args = [*COMMON, "--overlap-grad-reduce"]
     ckpt = tmp_path / "ckpt"

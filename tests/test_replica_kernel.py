@@ -60,6 +60,13 @@ def test_the_kernel_is_exact_for_torch_adam_on_the_cpu_and_fused_otherwise():
     fused = replica_of(other, kernel="auto")
     assert type(fused) is torch.optim.AdamW and fused.param_groups[0]["fused"] is True
     assert fused.param_groups[0]["betas"] == (0.9, 0.95)
+    # megatron's own group options stay: a base written from the replica saves the groups,
+    # and megatron's load of the distributed optimizer looks wd_mult up in them
+    p, opt = _pair()
+    opt.param_groups[0].update(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, foreach=True)
+    group = replica_of(opt, kernel="fused").param_groups[0]
+    assert (group["wd_mult"], group["lr_mult"], group["is_expert_parallel"]) == (1.0, 1.0, False)
+    assert group["fused"] is True and not group["foreach"]
 
 
 def test_the_exact_replica_stays_bit_identical_to_training():

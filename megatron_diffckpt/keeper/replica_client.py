@@ -67,8 +67,10 @@ class KeeperReplicaMerger(QueuedMerges):
         layout: ShardLayout,
         cpu: CpuMeter | None = None,
         log: dict[str, Any] | None = None,
+        kernel: str = "auto",
     ):
         self.client = client
+        self.kernel = kernel  # what the replica steps with; its description carries the options
         self._link = client.sibling()
         """The replica's own connection to the keeper: a hand-over waits for the keeper's
         merge of the iteration before, and the training thread's other calls to the keeper
@@ -164,7 +166,9 @@ class KeeperReplicaMerger(QueuedMerges):
             optimizers, request["reuse"] = build(description), True
         else:
             optimizers = [
-                None if o is None else replica_of(o, self.arena.copy, prefix=f"o{i}.")
+                None
+                if o is None
+                else replica_of(o, self.arena.copy, prefix=f"o{i}.", kernel=self.kernel)
                 for i, o in enumerate(torch_optimizers)
             ]
             for opt in optimizers:

@@ -335,6 +335,7 @@ class DiffCheckpointManager:
                 keeper_writes_bases=self.plan.writes_bases,
                 max_merge_wait_s=self._max_merge_wait_ms() / 1000.0 or None,
                 replica=self.tuner.replica if self.tuner is not None else True,
+                kernel=self.config.options.replica_kernel,
             )
             if in_keeper and replica is not None:
                 self.strategy.merger.resumed = replica

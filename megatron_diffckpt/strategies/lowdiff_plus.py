@@ -54,6 +54,8 @@ from megatron_diffckpt.replica_merger import (
     StepInputs,
     host_group_like,
     refresh_replicas,
+    replica_is_exact,
+    take_group_options,
 )
 from megatron_diffckpt.snapshot import BucketSnapshotter, summarize_traces
 from megatron_diffckpt.storage.writer import DiffLogWriter
@@ -112,6 +114,10 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             it takes. In the keeper: the wait for the previous iteration's hand-over.
         replica: ``False`` to run without the replica from the start (the auto-tuner's
             decision, :meth:`drop_replica`; the merger in this process, with the diff log).
+        kernel: what the replica steps with (``"auto"`` or ``"fused"``, see
+            :func:`~megatron_diffckpt.replica_merger.replica_kernel`); a replica that is not
+            bit-identical to the training state (``"fused"``, or training on GPUs) is
+            re-anchored to it at every base.
     """
 
     name = "lowdiff-plus"
@@ -130,6 +136,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         keeper_writes_bases: bool = False,
         max_merge_wait_s: float | None = None,
         replica: bool = True,
+        kernel: str = "auto",
     ):
         if not model_chunks:
             raise ValueError(
@@ -160,7 +167,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         self.in_keeper = keeper is not None
         buffer = None
         if self.in_keeper:
-            keeper_merger = KeeperReplicaMerger(keeper, layout, cpu=self.cpu, log=keeper_log)
+            keeper_merger = KeeperReplicaMerger(
+                keeper, layout, cpu=self.cpu, log=keeper_log, kernel=kernel
+            )
             buffer, slots = keeper_merger.slot_buffer, slots + 1  # the keeper holds one
         self.snapshotter = BucketSnapshotter(
             shards,
@@ -184,7 +193,12 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             keeper_merger.attach(self.snapshotter)
             self.merger: ReplicaMerger | KeeperReplicaMerger = keeper_merger
         else:
-            self.merger = ReplicaMerger(layout, self.snapshotter, writer, cpu=self.cpu)
+            self.merger = ReplicaMerger(
+                layout, self.snapshotter, writer, cpu=self.cpu, kernel=kernel
+            )
+        self.exact = replica_is_exact(self._torch_optimizers, kernel)
+        """Whether the replica stays bit-identical to the training state; if not, every base
+        re-anchors it first (the drift between bases is rounding)."""
         self._first_param = {}
         for i, o in enumerate(self._torch_optimizers):
             params = [p for g in o.param_groups for p in g["params"]] if o is not None else []
@@ -249,6 +263,7 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             ", deferred to pipeline bubbles" if self.pipelined else "",
             f"replica anchored at iteration {iteration}"
             + (", merged by the node's keeper" if self.in_keeper else "")
+            + ("" if self.exact else ", stepped with the fused host kernel, anchored at every base")
             if self._replica
             else "no replica (the auto-tuner's decision): bases staged from the training state, "
             "the diff log between them",
@@ -384,8 +399,9 @@ class LowDiffPlusStrategy(PerIterationStrategy):
         """Write the replica at ``iteration`` as a base; returns the seconds training waited.
 
         Waits for the previous base to be published (one in flight), and for the merger to hold
-        ``iteration``; on GPU the replica is first re-anchored from the device state. ``save``
-        plans the base in the background form (see :mod:`megatron_diffckpt.strategies.base`).
+        ``iteration``; a replica that is not bit-identical is first re-anchored from the
+        training state. ``save`` plans the base in the background form (see
+        :mod:`megatron_diffckpt.strategies.base`).
         """
         start = time.perf_counter()
         if self._persist is not None:
@@ -410,10 +426,11 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             copies = self._stage_from_training(iteration)
         else:
             self.merger.wait_merged(iteration)  # idle: nothing after it was submitted
-            if self.device != "cpu":
+            if not self.exact:
                 self.merger.anchor(self._torch_optimizers, iteration)  # no drift across bases
             with self.cpu.measure("base replica copy"):
                 copies = self._snapshot_replica()
+        take_group_options(self._torch_optimizers, copies)  # what training would save
         with self.cpu.measure("base planning"):
             source = BaseSource(replica_view(self.optimizer, copies), self.model_params, True)
             write, finalize = base_checkpoint.split_async_request(save(source), self._handed)
