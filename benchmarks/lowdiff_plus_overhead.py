@@ -15,6 +15,9 @@ round, so that drift of the machine hits them alike. Each trains the same uncomp
   exact), a base written from the replica every ``PLUS_BASE_INTERVAL`` iterations;
 - ``plus_buffered``: the same with the diff log written through the page cache
   (``--diffckpt-option buffered_io=true``) instead of direct I/O;
+- ``plus_fused``: the same with ``--diffckpt-option replica_kernel=fused``: the replica steps
+  with torch's fused CPU Adam (the host kernel of training on GPUs, where bit-identity cannot
+  hold) and every base re-anchors it to the training state first;
 - ``plus_nolog``: the same without the diff log (a recoverable state at every base only);
 - ``plus_f1``: LowDiff+ writing a base from the replica every iteration (no diff log): what a
   base costs, side by side with
@@ -90,6 +93,7 @@ def configs(ckpt: str, with_pp2: bool) -> dict[str, list[str]]:
         "none": [],
         "plus": [*plus, *bases],
         "plus_buffered": [*plus, *bases, "--diffckpt-option", "buffered_io=true"],
+        "plus_fused": [*plus, *bases, "--diffckpt-option", "replica_kernel=fused"],
         "plus_nolog": [*plus, *bases, "--diffckpt-option", "diff_log=false"],
         "plus_f1": [*plus, "--diffckpt-full-interval", "1", "--diffckpt-option", "diff_log=false"],
         "stock_sync": every,
@@ -242,6 +246,12 @@ def _summary(rows: dict, med: dict) -> dict:
         "merge_step_over_training_step": statistics.median(
             rows["plus"].get("merge_over_training_runs") or [0.0]
         ),
+        # where it is not (the fused host kernel, anchored at every base)
+        "merge_step_over_training_step_fused": statistics.median(
+            rows["plus_fused"].get("merge_over_training_runs") or [0.0]
+        ),
+        "plus_fused_overhead": rows["plus_fused"]["overhead"],
+        "plus_fused_overhead_mean": rows["plus_fused"]["overhead_mean"],
         "none_run_spread": (max(med["none"]) - min(med["none"])) / statistics.median(med["none"]),
         "ratios_floor_plus_overhead_at": NOISE_FLOOR,
     }
@@ -279,6 +289,7 @@ def plot(result: dict, path: Path) -> None:
     lines = [
         ("plus", "LowDiff+ (diff log, base per 10)"),
         ("plus_buffered", "LowDiff+, diff log through the page cache"),
+        ("plus_fused", "LowDiff+, fused host kernel"),
         ("plus_nolog", "LowDiff+ without diff log"),
         ("plus_f1", "LowDiff+ base every iteration"),
         ("stock_sync", "stock sync save"),
