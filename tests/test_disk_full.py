@@ -41,8 +41,14 @@ def _verify(tmp_path, log_dir) -> None:
 def test_full_disk_with_skip_trains_on_with_one_warning_per_incident(tmp_path, small_fs):
     proc = run_gpt(2, *_job(tmp_path, small_fs, "skip"), "--train-iters", "12")
     log = proc.stdout + proc.stderr
-    warnings = re.findall(r"diff log (rank_\S+): storage is full", log)
-    assert sorted(warnings) == ["rank_0_0_0", "rank_0_0_1"], log[-3000:]  # one per rank
+    events = re.findall(r"diff log (rank_\S+): storage (is full|has space again)", log)
+    for rank in ("rank_0_0_0", "rank_0_0_1"):
+        # One warning per incident: each opens one that only "has space again" ends. The ranks
+        # share the filesystem, so a write one rank gave up on can leave room for the other's:
+        # a rank may see a second incident, never a second warning within one.
+        said = [what for who, what in events if who == rank]
+        alternating = (["is full", "has space again"] * len(said))[: len(said)]
+        assert said and said == alternating, (rank, said, log[-3000:])
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "12"
     assert not list(small_fs.glob("rank_*/*.tmp"))
     _verify(tmp_path, small_fs)
