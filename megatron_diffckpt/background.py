@@ -169,19 +169,34 @@ def _prctl():
 _PRCTL = _prctl()  # resolved once here: a forked child should not load libraries
 
 
-def die_with_parent() -> bool:
+def die_with_parent(parent: int | None = None) -> bool:
     """Make the calling process get SIGKILL when the thread that started it ends (Linux
-    ``PR_SET_PDEATHSIG``), and end now if that already happened. Returns whether it took effect
+    ``PR_SET_PDEATHSIG``), and end now if that already happened: if its parent is no longer
+    ``parent`` (the pid of the process that started it, where known), or, without it, if its
+    parent changed during the call or is init. (An orphan is adopted by the nearest subreaper,
+    not always init: only the known pid tells every adoption.) Returns whether it took effect
     (not on other systems)."""
-    parent = os.getppid()
+    before = os.getppid()
     if _PRCTL is None or _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
         return False
-    if os.getppid() != parent or parent == 1:  # the parent died before the prctl
+    now = os.getppid()
+    if now != (before if parent is None else parent) or now == 1:  # the parent died before
         os._exit(1)
     return True
 
 
 _FORK_HOOK = False
+_FORKED_BY = 0
+"""The pid of the process that forked this one (set in the forking process, before a fork)."""
+
+
+def _record_forker() -> None:
+    global _FORKED_BY
+    _FORKED_BY = os.getpid()
+
+
+def _die_with_forker() -> None:
+    die_with_parent(_FORKED_BY)
 
 
 def children_die_with_this_process() -> None:
@@ -193,7 +208,7 @@ def children_die_with_this_process() -> None:
     before its thread does unless the process dies. Any process; idempotent."""
     global _FORK_HOOK
     if not _FORK_HOOK:
-        os.register_at_fork(after_in_child=die_with_parent)
+        os.register_at_fork(before=_record_forker, after_in_child=_die_with_forker)
         _FORK_HOOK = True
 
 

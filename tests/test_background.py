@@ -1,5 +1,6 @@
-"""A rank's process at exit (:mod:`megatron_diffckpt.background`): real interpreters, each
-with torch's DataLoader workers, run to their end."""
+"""A rank's process at exit and the processes it forks (:mod:`megatron_diffckpt.background`):
+real interpreters with torch's DataLoader workers, run to their end, and real forks under a
+subreaper."""
 
 from __future__ import annotations
 
@@ -52,3 +53,35 @@ def test_at_exit_the_dataloaders_sigchld_handler_is_gone_before_its_workers_are_
 
 def test_at_exit_a_sigchld_handler_other_than_the_dataloaders_is_left_alone():
     assert _run("own") == "own [True, True]"
+
+
+# A subreaper (as a container's init or a service manager can be) forks a process that forks a
+# child and exits while the child's fork hooks run: the child is adopted by the subreaper, not
+# init. What the child writes to the pipe, if it outlives its hooks, and its exit code.
+ADOPTED = textwrap.dedent(
+    """
+    import ctypes, os, sys, time
+    assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.register_at_fork(after_in_child=lambda: time.sleep(1))  # runs before the next hook
+        from megatron_diffckpt.background import children_die_with_this_process
+        children_die_with_this_process()
+        if os.fork() == 0:
+            os.write(write, b"alive")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(middle, 0)
+    child, status = os.wait()  # the adopted child
+    print(os.read(read, 16).decode() or "nothing", os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_forked_child_whose_forker_died_ends_when_a_subreaper_adopted_it():
+    done = subprocess.run(
+        [sys.executable, "-c", ADOPTED], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["nothing", "1"]
