@@ -515,11 +515,12 @@ class LowDiffPlusStrategy(PerIterationStrategy):
             )
         self.merger.anchor_queued(self._persist_copies, iteration)
         self._anchored_at = iteration
+        first, last = self._unmerged_from, iteration
+        span = f"iteration {last} was" if first == last else f"iterations {first}-{last} were"
         logger.info(
-            "LowDiff+: iterations %d-%d were not merged; the base of iteration %d is staged from "
-            "the training state, and the replica anchored to it merges again",
-            self._unmerged_from,
-            iteration,
+            "LowDiff+: %s not merged; the base of iteration %d is staged from the training "
+            "state, and the replica anchored to it merges again",
+            span,
             iteration,
         )
         self._unmerged_from = None
