@@ -87,8 +87,9 @@ def kill_a_rank_then_restart(args: list[str], script: Path = PRETRAIN_GPT) -> st
     finally:
         kill_tree(proc)
     said = [line for line in lines if PEER_GONE.search(line)]
+    killed_at = re.search(r"iteration +7/", log)  # what the ranks and torchrun said from there
     assert len(said) == 1 and said[0].rstrip().endswith("(a restart with --load recovers)"), (
-        said or log[-3000:]
+        said or log[killed_at.start() if killed_at else 0 :][:8000]
     )
     # (Megatron-LM's forward step logs an exception that passes through it as one warning
     # line, its traceback as a list: Megatron-LM's own, as without this library)
