@@ -432,12 +432,13 @@ def launch_node(
     env: dict | None = None,
     keeper_memory: str | None = "64",
     script: Path = PRETRAIN_GPT,
+    torchrun: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, list[str]]:
     """``megatron-diffckpt-launch`` of 2 ranks of ``script`` with a keeper of
-    ``keeper_memory`` MiB (``None``: none) and one torchrun restart; its output lines,
-    followed."""
+    ``keeper_memory`` MiB (``None``: none), one torchrun restart and torchrun's flags
+    ``torchrun``; its output lines, followed."""
     keeper = ["--keeper-memory", keeper_memory] if keeper_memory else []
-    cmd = [str(LAUNCH), *keeper, "--standalone"]
+    cmd = [str(LAUNCH), *keeper, "--standalone", *torchrun]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "1", str(script), *args]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(

@@ -76,13 +76,23 @@ PEER_GONE = re.compile(r"error: rank 0: lost its connection to another rank duri
 
 def kill_a_rank_then_restart(args: list[str], script: Path = PRETRAIN_GPT) -> str:
     """Run ``script``'s job under the launcher; after iteration 7, SIGKILL rank 1 (its
-    process: the kernel's OOM killer, a crashed node). Rank 0, whose next collective finds
-    its peer gone, says so in one line; no rank prints a traceback; torchrun's restart
-    finishes the job. Returns the log."""
-    proc, lines = launch_node(args, keeper_memory=None, script=script)
+    process: the kernel's OOM killer, a crashed node) while rank 0 waits for it in a
+    collective. Rank 0, whose collective finds its peer gone, says so in one line; no rank
+    prints a traceback; torchrun's restart finishes the job. Returns the log.
+
+    torchrun stops the ranks left (SIGTERM) at its first look after a rank died, every
+    ``--monitor-interval`` (0.1 s by default): a rank that has not met the failure by then
+    ends without its line, the launcher's report of the dead rank being the job's account.
+    Here rank 1 is held (SIGSTOP) for a second before it is killed, so that rank 0 is inside
+    a collective, and torchrun looks every second, so that rank 0 has the time to say it."""
+    monitor = ("--monitor-interval", "1")
+    proc, lines = launch_node(args, keeper_memory=None, script=script, torchrun=monitor)
     try:
         wait_logged(lines, 7, proc)
-        rank_process(1, proc.pid).kill()
+        victim = rank_process(1, proc.pid)
+        victim.suspend()
+        time.sleep(1)
+        victim.kill()
         log = finish_node(proc, lines)
     finally:
         kill_tree(proc)
