@@ -82,11 +82,12 @@ test-newest-ci: $(STAMP_NEWEST)
 	DIFFCKPT_PINS=requirements/newest.txt MEGATRON_LM="$(MEGATRON_LM_NEWEST)" \
 		$(VENV_NEWEST)/bin/python -m pytest --durations=10 $(NEWEST_CI_TESTS)
 
-# The inner loop: the tests that start no training processes (about a minute).
-test-quick: $(STAMP)
+# The inner loop: the tests that start no training processes (about three minutes), against the
+# same Megatron-LM checkout as `make test` (its `--help` test starts no training).
+test-quick: $(STAMP) $(if $(MEGATRON_LM),$(MLM_STAMP))
 	$(VENV)/bin/ruff check megatron_diffckpt examples tests benchmarks docs
 	$(VENV)/bin/lint-imports --no-logo
-	$(VENV)/bin/python -m pytest -q -m "not distributed" tests
+	MEGATRON_LM="$(MEGATRON_LM)" $(VENV)/bin/python -m pytest -q -m "not distributed" tests
 
 # The benchmarks (about 2 hours on 2 cores); results in benchmarks/results/.
 bench: $(STAMP)
